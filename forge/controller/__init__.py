@@ -1,0 +1,63 @@
+"""forge's service layer over Monarch: actors, batched endpoints, routers, services.
+
+Import this before ``monarch`` so that forge's Monarch settings (fast failure detection,
+quiet logs) are in the environment when Monarch reads them.
+"""
+
+from forge.controller import _env  # noqa: F401  (must run before monarch is imported)
+from forge.controller.actor import ActorLauncher, ForgeActor
+from forge.controller.batching import Batcher, Batching
+from forge.controller.endpoint import endpoint
+from forge.controller.errors import (
+    BatchResultError,
+    EndpointError,
+    ForgeError,
+    NoHealthyReplica,
+    Overloaded,
+    ReplicaFailed,
+    RequestTimeout,
+    ServiceStopped,
+)
+from forge.controller.options import ActorOptions
+from forge.controller.provisioner import InsufficientGpus, split_gpus
+from forge.controller.replica import ReplicaState
+from forge.controller.routing import (
+    KeyAffinity,
+    LeastLoaded,
+    RoundRobin,
+    RouteRequest,
+    Router,
+    Sticky,
+    register_router,
+)
+from forge.controller.service import EndpointHandle, Service, ServiceInterface
+
+__all__ = [
+    "ActorLauncher",
+    "ActorOptions",
+    "Batcher",
+    "Batching",
+    "BatchResultError",
+    "EndpointError",
+    "EndpointHandle",
+    "ForgeActor",
+    "ForgeError",
+    "InsufficientGpus",
+    "KeyAffinity",
+    "LeastLoaded",
+    "NoHealthyReplica",
+    "Overloaded",
+    "ReplicaFailed",
+    "ReplicaState",
+    "RequestTimeout",
+    "RoundRobin",
+    "RouteRequest",
+    "Router",
+    "Service",
+    "ServiceInterface",
+    "ServiceStopped",
+    "Sticky",
+    "endpoint",
+    "register_router",
+    "split_gpus",
+]

@@ -1,0 +1,77 @@
+"""``endpoint``: Monarch's endpoint decorator, plus the batched form.
+
+``@endpoint`` marks a plain endpoint exactly as in Monarch. ``@endpoint(batch=Batching(...))``
+marks a *batched* endpoint: its method takes a list and returns a list of the same length,
+and a forge service prebatches singleton ``route`` calls into those lists (one Monarch message
+per batch). Called directly on an actor mesh (``actor.ep.call_one([...])``) it is an ordinary
+endpoint that takes a list: caller batching and actor batching share one method.
+
+``@endpoint(concurrent=True)`` lets the actor run several calls of that endpoint at once
+(Monarch runs one message at a time otherwise); batched endpoints with
+``max_concurrent_batches > 1`` get it automatically.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from monarch.actor import concurrent_endpoint as _monarch_concurrent_endpoint
+from monarch.actor import endpoint as _monarch_endpoint
+
+from forge.controller.batching import Batching
+
+_BATCHING_ATTR = "_forge_batching"
+_RETRY_ATTR = "_forge_retry"
+
+
+def endpoint(
+    method: Callable[..., Any] | None = None,
+    *,
+    batch: Batching | None = None,
+    concurrent: bool = False,
+    retry: bool = True,
+    **monarch_options: Any,
+) -> Any:
+    """Mark a ``ForgeActor`` method as an endpoint, optionally batched.
+
+    Args:
+        batch: make this a batched endpoint (list in, list out) prebatched by services.
+        concurrent: run calls of this endpoint concurrently inside the actor.
+        retry: a service may resend a request that a dead replica never answered; set False
+            for endpoints that are not idempotent (the caller then gets ``ReplicaFailed``).
+        monarch_options: passed to Monarch's ``endpoint`` (e.g. ``instrument=False``).
+    """
+    if method is None:
+        return lambda fn: endpoint(fn, batch=batch, concurrent=concurrent, retry=retry, **monarch_options)
+    if batch is not None and not isinstance(batch, Batching):
+        raise TypeError(f"endpoint(batch=...) must be a forge Batching, got {batch!r}")
+    if not inspect.iscoroutinefunction(method):
+        raise TypeError(
+            f"forge endpoints must be 'async def' ({method.__qualname__} is not): Monarch cannot mix "
+            f"sync and async endpoints in one actor, and ForgeActor's own endpoints are async"
+        )
+    if batch is not None:
+        params = [p for p in inspect.signature(method).parameters.values() if p.name != "self"]
+        required = [p for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(required) != 1:
+            raise TypeError(
+                f"batched endpoint {method.__qualname__} must take exactly one required argument "
+                f"(the batch), got {[p.name for p in required]}"
+            )
+    run_concurrently = concurrent or (batch is not None and batch.max_concurrent_batches > 1)
+    decorate = _monarch_concurrent_endpoint if run_concurrently else _monarch_endpoint
+    prop = decorate(method, **monarch_options)
+    setattr(prop, _BATCHING_ATTR, batch)
+    setattr(prop, _RETRY_ATTR, retry)
+    return prop
+
+
+def batching_of(prop: Any) -> Batching | None:
+    """The ``Batching`` declared on an endpoint property, or None for plain endpoints."""
+    return getattr(prop, _BATCHING_ATTR, None)
+
+
+def retry_allowed(prop: Any) -> bool:
+    return getattr(prop, _RETRY_ATTR, True)

@@ -1,0 +1,71 @@
+"""``ActorOptions``: how many processes, replicas and GPUs an actor or service gets.
+
+Built by ``ForgeActor.options(...)``; every value is checked here so that a bad option fails at
+the call site, naming the option, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from forge.controller.routing import Router, make_router
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"options({name}=...) must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_timeout(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ValueError(f"options({name}=...) must be a number of seconds > 0 or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ActorOptions:
+    procs: int = 1
+    """Processes per replica (per actor mesh). Service endpoints run on every rank and
+    return rank 0's result."""
+    hosts: int = 1
+    """Hosts per replica. Only 1 (this host) is supported by the local provisioner."""
+    with_gpus: bool = False
+    """Give each process one GPU of its own (``CUDA_VISIBLE_DEVICES``), split across replicas."""
+    num_replicas: int = 1
+    """Replicas of a service, each on its own proc mesh."""
+    router: Any = "round_robin"
+    """Default router of the service's endpoints: a registered name, a Router class or instance."""
+    endpoint_routers: dict[str, Any] = field(default_factory=dict)
+    """Per-endpoint routers, overriding ``router``: ``{"generate": "key_affinity"}``."""
+    call_timeout_s: float | None = 600.0
+    """Longest one message to a replica may take before the caller gets ``RequestTimeout``."""
+    setup_timeout_s: float | None = 900.0
+    """Longest a replica's start (spawn + ``setup``) may take."""
+    max_retries: int = 2
+    """Times a request that a dead replica never answered is resent to another replica."""
+    name: str | None = None
+    """Mesh name prefix (default: the class name, lower-case)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the replica processes."""
+
+    def __post_init__(self) -> None:
+        _check_int("procs", self.procs, 1)
+        _check_int("hosts", self.hosts, 1)
+        if self.hosts != 1:
+            raise ValueError(f"options(hosts={self.hosts!r}): only hosts=1 (this host) is supported")
+        _check_int("num_replicas", self.num_replicas, 1)
+        _check_int("max_retries", self.max_retries, 0)
+        if not isinstance(self.with_gpus, bool):
+            raise ValueError(f"options(with_gpus=...) must be True or False, got {self.with_gpus!r}")
+        _check_timeout("call_timeout_s", self.call_timeout_s)
+        _check_timeout("setup_timeout_s", self.setup_timeout_s)
+        make_router(self.router) if not isinstance(self.router, Router) else None  # validates the name
+        if not isinstance(self.endpoint_routers, dict):
+            raise ValueError(f"options(endpoint_routers=...) must be a dict of endpoint name -> router, got {self.endpoint_routers!r}")
+        for spec in self.endpoint_routers.values():
+            if not isinstance(spec, Router):
+                make_router(spec)
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.replace("_", "").replace("-", "").isalnum()):
+            raise ValueError(f"options(name=...) must be letters, digits, '-' or '_', got {self.name!r}")
+        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise ValueError(f"options(env=...) must be a dict of str -> str, got {self.env!r}")

@@ -1,0 +1,128 @@
+"""Where replicas run: one Monarch proc mesh per replica, GPUs split between replicas.
+
+The provisioner also owns two process-wide concerns that every mesh needs:
+
+- Child processes must import the user's actor class. Monarch children inherit the parent's
+  environment and working directory but not its ``sys.path`` edits (pytest's rootdir, a
+  notebook's cwd, a script's folder), so each mesh gets ``PYTHONPATH`` = the parent's
+  ``sys.path``. Users never have to set it.
+- By default a failed mesh makes Monarch call ``sys.exit`` in the controller. forge replaces
+  that hook with one that logs the failure and tells the owning service, which then treats
+  the replica as failed and its in-flight requests as lost (they are retried or reported).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import forge.controller._env  # noqa: F401  (before monarch)
+import monarch.actor
+from monarch.actor import MeshFailure, ProcMesh, default_bootstrap_cmd, this_host
+
+logger = logging.getLogger("forge.provisioner")
+
+
+class InsufficientGpus(ValueError):
+    """More GPUs were asked for than are visible."""
+
+
+def visible_gpus() -> list[str]:
+    """Device ids this process may use: ``CUDA_VISIBLE_DEVICES`` if set, else all CUDA devices."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # torch missing or broken CUDA: no GPUs
+        return []
+
+
+def split_gpus(num_replicas: int, gpus_per_replica: int, devices: Sequence[str]) -> list[list[str]]:
+    """Disjoint device lists, one per replica, taken in order from ``devices``."""
+    need = num_replicas * gpus_per_replica
+    if need > len(devices):
+        raise InsufficientGpus(
+            f"{num_replicas} replicas x {gpus_per_replica} GPUs each need {need} GPUs, but only "
+            f"{len(devices)} are visible ({list(devices)}); lower num_replicas or procs, or set "
+            f"CUDA_VISIBLE_DEVICES"
+        )
+    return [list(devices[i * gpus_per_replica:(i + 1) * gpus_per_replica]) for i in range(num_replicas)]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment every forge child process gets on top of the parent's."""
+    paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    env.update(extra or {})
+    return env
+
+
+# ------------------------------------------------------------------ fault hook
+_fault_listeners: list[Callable[[MeshFailure], bool]] = []
+_hook_lock = threading.Lock()
+_hook_installed = False
+
+
+def _forge_fault_hook(failure: MeshFailure) -> None:
+    handled = False
+    for listener in list(_fault_listeners):
+        try:
+            handled = listener(failure) or handled
+        except Exception:  # a listener's bug must not take the controller down
+            logger.exception("forge fault listener failed")
+    if not handled:
+        logger.warning("Monarch mesh %s failed: %s", getattr(failure, "mesh_name", "?"), _report(failure))
+
+
+def _report(failure: MeshFailure) -> str:
+    try:
+        return str(failure.report()).splitlines()[0][:300]
+    except Exception:
+        return repr(failure)
+
+
+def install_fault_hook() -> None:
+    """Replace Monarch's exit-on-fault hook with forge's (once per process)."""
+    global _hook_installed
+    with _hook_lock:
+        if not _hook_installed:
+            monarch.actor.unhandled_fault_hook = _forge_fault_hook
+            _hook_installed = True
+
+
+def add_fault_listener(listener: Callable[[MeshFailure], bool]) -> None:
+    """``listener(failure) -> handled``: called for every mesh failure in this process."""
+    install_fault_hook()
+    _fault_listeners.append(listener)
+
+
+def remove_fault_listener(listener: Callable[[MeshFailure], bool]) -> None:
+    if listener in _fault_listeners:
+        _fault_listeners.remove(listener)
+
+
+# ------------------------------------------------------------------ spawning
+def spawn_proc_mesh(name: str, procs: int, gpus: Sequence[str] | None = None, env: dict[str, str] | None = None) -> ProcMesh:
+    """Start ``procs`` processes on this host for one replica.
+
+    With ``gpus`` (one per process), rank r sees only ``gpus[r]`` as ``CUDA_VISIBLE_DEVICES``.
+    """
+    install_fault_hook()
+    base_env = child_env(env)
+    if gpus is not None and len(gpus) != procs:
+        raise InsufficientGpus(f"replica {name!r} has {procs} procs but {len(gpus)} GPUs ({list(gpus)})")
+
+    def command_for(point: Any):
+        rank_env = dict(base_env)
+        if gpus is not None:
+            rank_env["CUDA_VISIBLE_DEVICES"] = gpus[point.rank]
+        return default_bootstrap_cmd().with_env(rank_env)
+
+    return this_host().spawn_procs(per_host={"procs": procs}, name=name, bootstrap_command=command_for)

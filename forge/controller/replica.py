@@ -1,0 +1,286 @@
+"""One replica of a service: its proc mesh, its actor mesh, its batchers, its state.
+
+A replica turns a service request into Monarch messages. Plain endpoints get one message per
+request; batched endpoints go through one ``Batcher`` each, which sends one message per batch.
+Every message has a timeout, and Monarch's errors become forge's: the endpoint's own exception
+becomes ``EndpointError``, a dead process ``ReplicaFailed``, no answer ``RequestTimeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from monarch.actor import ActorError, ProcMesh
+
+from forge.controller.batching import Batcher, Batching
+from forge.controller.errors import EndpointError, ReplicaFailed, RequestTimeout, ServiceStopped
+from forge.controller.options import ActorOptions
+from forge.controller.provisioner import spawn_proc_mesh
+
+try:  # the type Monarch raises when a process of the mesh died
+    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+except ImportError:  # pragma: no cover - layout of a future Monarch
+    SupervisionError = RuntimeError  # type: ignore[misc,assignment]
+
+logger = logging.getLogger("forge.replica")
+
+
+class ReplicaState(str, enum.Enum):
+    STARTING = "starting"
+    HEALTHY = "healthy"
+    RECOVERING = "recovering"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class _EndpointCounters:
+    requests: int = 0
+    errors: int = 0
+    in_flight: int = 0
+    messages: int = 0
+
+
+@dataclass
+class ReplicaSpec:
+    """What every replica of a service is made from."""
+
+    actor_cls: type
+    args: tuple
+    kwargs: dict
+    options: ActorOptions
+    batching: dict[str, Batching]
+    service_name: str
+    gpus: list[str] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+async def await_with_timeout(awaitable: Any, timeout: float | None) -> Any:
+    """Await a Monarch future (or anything awaitable) with a timeout."""
+
+    async def _await() -> Any:
+        return await awaitable
+
+    return await asyncio.wait_for(_await(), timeout)
+
+
+def translate_error(exc: BaseException, where: str) -> BaseException:
+    """Monarch's exception for a failed call -> the forge error a caller should see."""
+    if isinstance(exc, ActorError):
+        remote = getattr(exc, "exception", None)
+        if isinstance(remote, SupervisionError):
+            return ReplicaFailed(f"{where}: the replica's process failed: {_first_line(remote)}")
+        if remote is None:
+            return EndpointError(where, "ActorError", _first_line(exc))
+        return EndpointError(where, type(remote).__name__, str(remote), remote)
+    if isinstance(exc, SupervisionError):
+        return ReplicaFailed(f"{where}: the replica's process failed: {_first_line(exc)}")
+    if isinstance(exc, asyncio.TimeoutError):
+        return RequestTimeout(f"{where}: no answer within the timeout")
+    if isinstance(exc, RuntimeError) and ("stopped" in str(exc) or "supervision" in str(exc).lower()):
+        return ReplicaFailed(f"{where}: the replica is gone: {_first_line(exc)}")
+    return exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:500] if text else type(exc).__name__
+
+
+class Replica:
+    """A replica's lifecycle (start, serve, fail, stop) and its request paths."""
+
+    def __init__(self, replica_id: int, spec: ReplicaSpec) -> None:
+        self.replica_id = replica_id
+        self.spec = spec
+        self.state = ReplicaState.STARTING
+        self.generation = 0
+        self.proc_mesh: ProcMesh | None = None
+        self.actor_mesh: Any = None
+        self.batchers: dict[str, Batcher] = {}
+        self.counters: dict[str, _EndpointCounters] = {}
+        self.started_at: float | None = None
+        self.failure: str | None = None
+        self._in_flight = 0
+
+    # ----------------------------------------------------------- identity
+    @property
+    def mesh_name(self) -> str:
+        return f"{self.spec.service_name}-r{self.replica_id}-g{self.generation}"
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def accepting(self) -> bool:
+        return self.state is ReplicaState.HEALTHY
+
+    def has_forming(self, endpoint: str, key: Hashable) -> bool:
+        batcher = self.batchers.get(endpoint)
+        return batcher is not None and batcher.has_forming(key)
+
+    # ----------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Spawn the proc mesh and actor, run ``setup`` on every rank, then take traffic."""
+        self.state = ReplicaState.STARTING
+        self.failure = None
+        opts = self.spec.options
+        t0 = time.monotonic()
+        try:
+            self.proc_mesh = spawn_proc_mesh(self.mesh_name, opts.procs, self.spec.gpus, {**opts.env, **self.spec.env})
+            self.actor_mesh = self.proc_mesh.spawn(self.mesh_name, self.spec.actor_cls, *self.spec.args, **self.spec.kwargs)
+            await await_with_timeout(self.actor_mesh.setup.call(), opts.setup_timeout_s)
+        except BaseException as exc:
+            self.state = ReplicaState.FAILED
+            self.failure = _first_line(exc)
+            await self._stop_mesh()
+            raise translate_error(exc, f"{self.spec.actor_cls.__name__} replica {self.replica_id} setup") from exc
+        self.batchers = {
+            name: Batcher(spec, self._batch_executor(name), name=f"{self.spec.actor_cls.__name__}.{name}@r{self.replica_id}")
+            for name, spec in self.spec.batching.items()
+        }
+        self.started_at = time.monotonic()
+        self.state = ReplicaState.HEALTHY
+        logger.debug("replica %s ready in %.2fs", self.mesh_name, self.started_at - t0)
+
+    def mark_failed(self, reason: str) -> None:
+        """The process died: stop taking traffic; queued batch items fail with ``ReplicaFailed``."""
+        if self.state in (ReplicaState.FAILED, ReplicaState.STOPPED):
+            return
+        self.state = ReplicaState.FAILED
+        self.failure = reason
+        logger.warning("replica %s failed: %s", self.mesh_name, reason)
+        error = ReplicaFailed(f"replica {self.replica_id} of {self.spec.service_name} failed: {reason}")
+        for batcher in self.batchers.values():
+            asyncio.get_running_loop().create_task(batcher.close(error))
+
+    async def stop(self, error: BaseException | None = None) -> None:
+        """Fail anything still queued with ``error`` and stop the processes."""
+        previous = self.state
+        self.state = ReplicaState.STOPPED
+        error = error or ServiceStopped(f"{self.spec.service_name} was shut down")
+        await asyncio.gather(*(b.close(error) for b in self.batchers.values()), return_exceptions=True)
+        if previous is not ReplicaState.STOPPED:
+            await self._stop_mesh()
+
+    async def _stop_mesh(self) -> None:
+        mesh, self.proc_mesh, self.actor_mesh = self.proc_mesh, None, None
+        if mesh is None:
+            return
+        try:
+            await await_with_timeout(mesh.stop(), 30.0)
+        except Exception as exc:  # a failed or hung mesh: its processes are reaped at exit
+            logger.debug("stopping %s: %r", self.mesh_name, exc)
+
+    # ----------------------------------------------------------- requests
+    async def call(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
+        """One plain-endpoint request: one Monarch message."""
+        counters = self._counters(endpoint)
+        counters.requests += 1
+        counters.in_flight += 1
+        self._in_flight += 1
+        try:
+            return await self._send(endpoint, args, kwargs, timeout)
+        except BaseException:
+            counters.errors += 1
+            raise
+        finally:
+            counters.in_flight -= 1
+            self._in_flight -= 1
+
+    async def submit(self, endpoint: str, item: Any, key: Hashable, timeout: float | None) -> Any:
+        """One batched-endpoint request: queued here, sent as part of a batch."""
+        counters = self._counters(endpoint)
+        counters.in_flight += 1
+        self._in_flight += 1
+        try:
+            return await asyncio.wait_for(self.batchers[endpoint].submit(item, key), timeout)
+        except asyncio.TimeoutError as exc:
+            raise RequestTimeout(f"{self.spec.actor_cls.__name__}.{endpoint}: no result within {timeout}s") from exc
+        finally:
+            counters.in_flight -= 1
+            self._in_flight -= 1
+
+    async def broadcast_call(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> list[Any]:
+        """Call every rank of this replica and return all their results (rank order)."""
+        where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
+        try:
+            values = await await_with_timeout(getattr(self.actor_mesh, endpoint).call(*args, **kwargs), timeout)
+        except BaseException as exc:
+            raise self._failed_call(exc, where) from exc
+        return list(values.values())
+
+    def _batch_executor(self, endpoint: str):
+        enbatch, debatch = self.spec.batching[endpoint].resolve_assembly(self.spec.actor_cls)
+        timeout = self.spec.options.call_timeout_s
+
+        async def execute(items: list[Any], key: Hashable) -> Sequence[Any]:
+            payload = enbatch(items) if enbatch is not None else items
+            result = await self._send(endpoint, (payload,), {}, timeout)
+            return debatch(result, len(items)) if debatch is not None else result
+
+        return execute
+
+    async def _send(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
+        where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
+        if self.actor_mesh is None or self.state is not ReplicaState.HEALTHY:
+            raise ReplicaFailed(f"{where}: replica is {self.state.value}")
+        ep = getattr(self.actor_mesh, endpoint)
+        self._counters(endpoint).messages += 1
+        try:
+            if self.spec.options.procs == 1:
+                return await await_with_timeout(ep.call_one(*args, **kwargs), timeout)
+            values = await await_with_timeout(ep.call(*args, **kwargs), timeout)
+            return next(iter(values.values()))  # rank 0's result
+        except BaseException as exc:
+            raise self._failed_call(exc, where) from exc
+
+    def _failed_call(self, exc: BaseException, where: str) -> BaseException:
+        if isinstance(exc, asyncio.CancelledError):
+            return exc
+        error = translate_error(exc, where)
+        if isinstance(error, ReplicaFailed):
+            self.mark_failed(str(error))
+        return error
+
+    # ----------------------------------------------------------- metrics
+    def _counters(self, endpoint: str) -> _EndpointCounters:
+        counters = self.counters.get(endpoint)
+        if counters is None:
+            counters = self.counters[endpoint] = _EndpointCounters()
+        return counters
+
+    def metrics(self) -> dict[str, Any]:
+        endpoints: dict[str, dict[str, Any]] = {}
+        for name in set(self.counters) | set(self.batchers):
+            c = self._counters(name)
+            batcher = self.batchers.get(name)
+            if batcher is not None:
+                stats = batcher.stats.as_dict()
+                stats["in_flight"] = c.in_flight
+                stats["queued"] = batcher.queued
+                stats["open_keys"] = len(batcher.keys)
+            else:
+                stats = {
+                    "requests": c.requests,
+                    "batches": c.messages,
+                    "mean_batch_size": 1.0 if c.messages else 0.0,
+                    "max_batch_size": 1 if c.messages else 0,
+                    "mean_queue_wait_s": 0.0,
+                    "errors": c.errors,
+                    "in_flight": c.in_flight,
+                }
+            endpoints[name] = stats
+        return {
+            "state": self.state.value,
+            "generation": self.generation,
+            "in_flight": self._in_flight,
+            "endpoints": endpoints,
+        }

@@ -1,0 +1,182 @@
+"""Routers: which healthy replica takes a request.
+
+A router is a class with one method, ``choose(request, replicas) -> replica``. The service
+passes only replicas that can take traffic, never an empty list. Routers are per endpoint:
+a service has a default and may override it per endpoint; users plug in their own class.
+
+Built in:
+
+- ``round_robin``: each replica in turn.
+- ``least_loaded``: power of two choices on in-flight counts (two random replicas, the less
+  loaded wins): near-optimal balance without scanning every replica.
+- ``sticky``: the key is a session id; a session stays on its replica while it is healthy.
+- ``key_affinity``: rendezvous hashing of the similarity key, so equal keys meet on one replica
+  (where they batch together and share caches) and only ~1/n of keys move when a replica joins
+  or leaves. A key whose batch is already forming on some replica goes there. When the chosen
+  replica's load exceeds ``load_factor`` times the mean (plus ``slack``), the request spills to
+  the least-loaded replica, which bounds the imbalance a hot key can cause.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import itertools
+import math
+import random
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class ReplicaView(Protocol):
+    """What a router may look at: identity, load and whether a key's batch is forming."""
+
+    replica_id: int
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def has_forming(self, endpoint: str, key: Hashable) -> bool: ...
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """One request as a router sees it."""
+
+    endpoint: str
+    key: Hashable = None
+
+
+class Router(abc.ABC):
+    """Chooses a replica for one request. Subclass and pass the class (or an instance)."""
+
+    @abc.abstractmethod
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> ReplicaView:
+        """Return one of ``replicas`` (never empty) for ``request``."""
+
+
+class RoundRobin(Router):
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> ReplicaView:
+        return replicas[next(self._counter) % len(replicas)]
+
+
+def least_loaded_of_two(replicas: Sequence[ReplicaView], rng: random.Random) -> ReplicaView:
+    """Power of two choices: two distinct random replicas, the one with fewer in flight."""
+    if len(replicas) == 1:
+        return replicas[0]
+    a, b = rng.sample(range(len(replicas)), 2)
+    ra, rb = replicas[a], replicas[b]
+    return ra if ra.in_flight <= rb.in_flight else rb
+
+
+class LeastLoaded(Router):
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> ReplicaView:
+        return least_loaded_of_two(replicas, self._rng)
+
+
+class Sticky(Router):
+    """The key is a session id: the first request of a session picks the least-loaded replica,
+    later ones follow it while it is healthy. Requests without a key are balanced."""
+
+    def __init__(self, seed: int | None = None, max_sessions: int = 100_000) -> None:
+        self._rng = random.Random(seed)
+        self._pins: dict[Hashable, int] = {}
+        self._max_sessions = max_sessions
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> ReplicaView:
+        if request.key is None:
+            return least_loaded_of_two(replicas, self._rng)
+        pinned = self._pins.get(request.key)
+        for replica in replicas:
+            if replica.replica_id == pinned:
+                return replica
+        chosen = min(replicas, key=lambda r: r.in_flight)
+        if len(self._pins) >= self._max_sessions:
+            self._pins.pop(next(iter(self._pins)))  # forget the oldest session
+        self._pins[request.key] = chosen.replica_id
+        return chosen
+
+
+def rendezvous_score(key: Hashable, replica_id: int) -> int:
+    """Stable (process-independent) hash of (key, replica): the highest score owns the key."""
+    digest = hashlib.blake2b(f"{key!r}|{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class KeyAffinity(Router):
+    """Rendezvous hashing on the key with a bound on load imbalance; see the module docstring.
+
+    Args:
+        load_factor: a replica may hold up to ``load_factor`` x the mean in-flight load
+            (plus ``slack`` requests) before keyed requests spill off it.
+        slack: absolute headroom, so that tiny loads (0 vs 1) never count as imbalance.
+        batch_aware: prefer a replica where a batch for the key is already forming.
+    """
+
+    def __init__(self, load_factor: float = 1.5, slack: int = 2, batch_aware: bool = True, seed: int | None = None):
+        if not (isinstance(load_factor, (int, float)) and load_factor >= 1.0):
+            raise ValueError(f"KeyAffinity load_factor must be a number >= 1.0, got {load_factor!r}")
+        if not (isinstance(slack, int) and slack >= 0):
+            raise ValueError(f"KeyAffinity slack must be an integer >= 0, got {slack!r}")
+        self.load_factor = float(load_factor)
+        self.slack = slack
+        self.batch_aware = batch_aware
+        self._rng = random.Random(seed)
+
+    def bound(self, replicas: Sequence[ReplicaView]) -> int:
+        """Most in-flight requests a replica may hold before keyed traffic spills off it."""
+        total = sum(r.in_flight for r in replicas) + 1  # counting the request being placed
+        return math.ceil(self.load_factor * total / len(replicas)) + self.slack
+
+    def owner(self, key: Hashable, replicas: Sequence[ReplicaView]) -> ReplicaView:
+        return max(replicas, key=lambda r: rendezvous_score(key, r.replica_id))
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> ReplicaView:
+        if request.key is None:
+            return least_loaded_of_two(replicas, self._rng)
+        bound = self.bound(replicas)
+        if self.batch_aware:
+            forming = [r for r in replicas if r.has_forming(request.endpoint, request.key) and r.in_flight < bound]
+            if forming:
+                return min(forming, key=lambda r: r.in_flight)
+        owner = self.owner(request.key, replicas)
+        if owner.in_flight < bound:
+            return owner
+        return min(replicas, key=lambda r: r.in_flight)
+
+
+_REGISTRY: dict[str, type[Router]] = {
+    "round_robin": RoundRobin,
+    "least_loaded": LeastLoaded,
+    "sticky": Sticky,
+    "key_affinity": KeyAffinity,
+}
+
+
+def register_router(name: str, cls: type[Router]) -> None:
+    """Make ``cls`` available as ``router=name``. Names are unique."""
+    if name in _REGISTRY:
+        raise ValueError(f"a router named {name!r} is already registered ({_REGISTRY[name].__name__})")
+    if not (isinstance(cls, type) and issubclass(cls, Router)):
+        raise TypeError(f"register_router needs a Router subclass, got {cls!r}")
+    _REGISTRY[name] = cls
+
+
+def make_router(spec: Any) -> Router:
+    """A fresh router from a registered name, a Router subclass, or an instance (used as is)."""
+    if isinstance(spec, Router):
+        return spec
+    if isinstance(spec, str):
+        if spec not in _REGISTRY:
+            raise ValueError(f"unknown router {spec!r}; expected one of {sorted(_REGISTRY)} or a Router subclass")
+        return _REGISTRY[spec]()
+    if isinstance(spec, type) and issubclass(spec, Router):
+        return spec()
+    raise TypeError(f"router must be a name in {sorted(_REGISTRY)}, a Router subclass or instance, got {spec!r}")

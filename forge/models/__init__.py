@@ -1,0 +1,18 @@
+"""Models: the tiny test/demo model and the logprob computation shared by trainer and tests."""
+
+from forge.models.logprobs import (
+    PaddedBatch,
+    pack_right_padded,
+    padded_token_logprobs,
+    sequence_logprobs,
+)
+from forge.models.tiny import build_char_tokenizer, make_tiny_model
+
+__all__ = [
+    "PaddedBatch",
+    "build_char_tokenizer",
+    "make_tiny_model",
+    "pack_right_padded",
+    "padded_token_logprobs",
+    "sequence_logprobs",
+]

@@ -1,0 +1,51 @@
+"""Write the tiny random-init model and character tokenizer that forge's CPU runs and tests use.
+
+The model loads in transformers and in vLLM like any Hugging Face checkpoint (see
+``forge.models.tiny`` for why it looks the way it does). Reuses an existing model with the same
+settings; pass --overwrite to replace one made with other settings.
+
+Run:
+    .venv/bin/python scripts/make_tiny_model.py /tmp/forge-tiny
+    .venv/bin/python scripts/make_tiny_model.py /tmp/forge-tiny-q3 --arch qwen3 --hidden-size 256
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from forge.models.tiny import ARCHS, make_tiny_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", help="folder to write the model into")
+    parser.add_argument("--arch", choices=ARCHS, default="qwen2", help="model architecture")
+    parser.add_argument(
+        "--hidden-size", type=int, default=128, help="model width, a multiple of 64"
+    )
+    parser.add_argument("--num-layers", type=int, default=2, help="number of decoder layers")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random init")
+    parser.add_argument(
+        "--init-std", type=float, default=0.02, help="std of the normal weight init"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a model made with other settings"
+    )
+    args = parser.parse_args()
+    try:
+        path = make_tiny_model(
+            args.path,
+            arch=args.arch,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            seed=args.seed,
+            init_std=args.init_std,
+            overwrite=args.overwrite,
+        )
+    except ValueError as err:
+        parser.error(str(err).replace("overwrite=True", "--overwrite"))
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
