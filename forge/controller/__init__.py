@@ -20,6 +20,7 @@ from forge.controller.errors import (
 )
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import InsufficientGpus, split_gpus
+from forge.controller.quiet import quiet_monarch
 from forge.controller.replica import ReplicaState
 from forge.controller.routing import (
     KeyAffinity,
@@ -59,5 +60,6 @@ __all__ = [
     "Sticky",
     "endpoint",
     "register_router",
+    "quiet_monarch",
     "split_gpus",
 ]

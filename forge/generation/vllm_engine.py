@@ -57,7 +57,8 @@ class VllmEngine:
 
     Build it with ``VllmEngine.create``. ``version`` is the policy version of the loaded
     weights (0 for the checkpoint); every ``Completion`` carries the version it was sampled
-    with, so the trainer can tell how stale a sample is.
+    with, so the trainer can tell how stale a sample is. Not thread-safe: call it from one
+    thread (an actor's endpoints run one at a time), so no update lands mid-generate.
     """
 
     def __init__(

@@ -133,7 +133,7 @@ def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 class WeightSyncExtension:
-    """vLLM worker extension: ``forge_*`` methods load a state dict into the live model.
+    """vLLM worker extension: forge's RPCs that run inside each worker (weight loads, CPU fix).
 
     Names carry the ``forge_`` prefix because vLLM refuses an extension attribute that the
     worker class already has.

@@ -1,0 +1,232 @@
+"""The Batcher's contract, clause by clause, driven in-process with a fake executor."""
+
+import asyncio
+
+import pytest
+
+from forge.controller import Batcher, Batching, BatchResultError, ServiceStopped
+
+
+class Recorder:
+    """An executor that records each batch and can be held busy."""
+
+    def __init__(self, fn=lambda x: x * 2):
+        self.batches: list[list] = []
+        self.keys: list = []
+        self.fn = fn
+        self.gate: asyncio.Event | None = None
+
+    async def __call__(self, items, key):
+        self.batches.append(list(items))
+        self.keys.append(key)
+        if self.gate is not None:
+            await self.gate.wait()
+        return [self.fn(i) for i in items]
+
+
+async def test_batch_is_capped_at_max_size():
+    """40 concurrent items with max_size 8 run as 5 batches of 8, results in order."""
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=1.0), rec)
+    out = await asyncio.gather(*(b.submit(i) for i in range(40)))
+    assert out == [i * 2 for i in range(40)]
+    assert [len(x) for x in rec.batches] == [8] * 5
+
+
+async def test_lone_item_runs_after_max_wait():
+    """A single item waits max_wait_s for company, then runs alone."""
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=0.05), rec)
+    t0 = asyncio.get_running_loop().time()
+    assert await b.submit(3) == 6
+    assert asyncio.get_running_loop().time() - t0 >= 0.045
+    assert rec.batches == [[3]]
+
+
+async def test_size_one_never_waits():
+    """max_size=1 runs each item at once even with a very long wait."""
+    rec = Recorder()
+    b = Batcher(Batching(max_size=1, max_wait_s=1000), rec)
+    assert await asyncio.wait_for(b.submit(1), 1.0) == 2
+
+
+async def test_wait_is_timed_from_first_item():
+    """An item arriving late joins the batch of the first one; the batch runs on the first's deadline."""
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=0.3), rec)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    first = asyncio.ensure_future(b.submit(1))
+    await asyncio.sleep(0.2)
+    second = asyncio.ensure_future(b.submit(2))
+    await asyncio.gather(first, second)
+    elapsed = loop.time() - t0
+    assert rec.batches == [[1, 2]]
+    assert 0.28 <= elapsed < 0.45  # not 0.2 + 0.3: the clock started at the first item
+
+
+async def test_batch_keeps_growing_while_slots_are_busy():
+    """With the only slot busy, later items form ONE batch instead of many half-empty ones."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    b = Batcher(Batching(max_size=16, max_wait_s=0.0), rec)
+    first = asyncio.ensure_future(b.submit(0))
+    await asyncio.sleep(0.05)
+    rest = [asyncio.ensure_future(b.submit(i)) for i in range(1, 8)]
+    await asyncio.sleep(0.1)  # all past their (zero) wait, but the slot is busy
+    assert len(rec.batches) == 1
+    rec.gate.set()
+    await asyncio.gather(first, *rest)
+    assert rec.batches == [[0], list(range(1, 8))]
+
+
+async def test_concurrent_batches_use_all_slots():
+    """max_concurrent_batches=2 runs two batches at the same time."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    b = Batcher(Batching(max_size=2, max_wait_s=0.0, max_concurrent_batches=2), rec)
+    futs = [asyncio.ensure_future(b.submit(i)) for i in range(4)]
+    await asyncio.sleep(0.1)
+    assert len(rec.batches) == 2  # two running, blocked on the gate
+    rec.gate.set()
+    await asyncio.gather(*futs)
+    assert len(rec.batches) == 2
+
+
+async def test_size_fn_limits_total_size():
+    """With size_fn, a batch holds items whose sizes sum to at most max_size."""
+    rec = Recorder(fn=len)
+    b = Batcher(Batching(max_size=10, max_wait_s=0.5, size_fn=len), rec)
+    items = ["aaaa", "bbbb", "cccc", "dd", "e"]
+    out = await asyncio.gather(*(b.submit(s) for s in items))
+    assert out == [4, 4, 4, 2, 1]
+    assert all(sum(map(len, batch)) <= 10 for batch in rec.batches)
+    assert rec.batches[0] == ["aaaa", "bbbb"]
+
+
+async def test_oversized_item_fails_only_its_caller():
+    """An item bigger than max_size alone gets a clear error; the others are served."""
+    rec = Recorder(fn=len)
+    b = Batcher(Batching(max_size=4, max_wait_s=0.01, size_fn=len), rec)
+    ok, bad = await asyncio.gather(b.submit("ab"), b.submit("abcdefg"), return_exceptions=True)
+    assert ok == 2
+    assert isinstance(bad, BatchResultError) and "size 7" in str(bad)
+
+
+async def test_keys_never_share_a_batch_and_idle_queues_go_away():
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=0.05), rec)
+    await asyncio.gather(*(b.submit(i, key=i % 3) for i in range(12)))
+    for batch, key in zip(rec.batches, rec.keys):
+        assert {i % 3 for i in batch} == {key}
+    assert b.keys == []
+
+
+async def test_key_function_groups_items():
+    """Batching(key=...) derives the key when the caller gives none."""
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=0.05, key=lambda x: x % 2), rec)
+    await asyncio.gather(*(b.submit(i) for i in range(6)))
+    assert sorted(map(sorted, rec.batches)) == [[0, 2, 4], [1, 3, 5]]
+
+
+async def test_failing_key_function_fails_only_that_caller():
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=0.01, key=lambda x: 10 // x), rec)
+    good, bad = await asyncio.gather(b.submit(5), b.submit(0), return_exceptions=True)
+    assert good == 10
+    assert isinstance(bad, BatchResultError) and "ZeroDivisionError" in str(bad)
+    assert await b.submit(2) == 4  # still serving
+
+
+async def test_exception_in_one_slot_fails_only_that_caller():
+    async def execute(items, key):
+        return [ValueError(f"bad {i}") if i == 2 else i for i in items]
+
+    b = Batcher(Batching(max_size=4, max_wait_s=0.05), execute)
+    out = await asyncio.gather(*(b.submit(i) for i in range(4)), return_exceptions=True)
+    assert out[0:2] == [0, 1] and out[3] == 3
+    assert isinstance(out[2], ValueError) and str(out[2]) == "bad 2"
+
+
+async def test_wrong_result_length_fails_the_whole_batch_and_batcher_recovers():
+    calls = []
+
+    async def execute(items, key):
+        calls.append(items)
+        return items[:-1] if len(calls) == 1 else items
+
+    b = Batcher(Batching(max_size=4, max_wait_s=0.05), execute)
+    out = await asyncio.gather(*(b.submit(i) for i in range(3)), return_exceptions=True)
+    assert all(isinstance(e, BatchResultError) for e in out)
+    assert "3 results" in str(out[0]) and "length 2" in str(out[0])
+    assert await b.submit(7) == 7
+
+
+async def test_non_list_result_is_a_clear_error():
+    async def execute(items, key):
+        return 42
+
+    b = Batcher(Batching(max_size=2, max_wait_s=0.0), execute)
+    with pytest.raises(BatchResultError, match="got int"):
+        await b.submit(1)
+
+
+async def test_executor_exception_reaches_every_caller_of_the_batch():
+    async def execute(items, key):
+        raise RuntimeError("engine down")
+
+    b = Batcher(Batching(max_size=4, max_wait_s=0.05), execute)
+    out = await asyncio.gather(*(b.submit(i) for i in range(3)), return_exceptions=True)
+    assert all(isinstance(e, RuntimeError) and str(e) == "engine down" for e in out)
+
+
+async def test_cancelled_callers_are_dropped_before_the_batch_runs():
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=0.1), rec)
+    keep = asyncio.ensure_future(b.submit(1))
+    drop = asyncio.ensure_future(b.submit(2))
+    await asyncio.sleep(0.01)
+    drop.cancel()
+    assert await keep == 2
+    assert rec.batches == [[1]]
+
+
+async def test_all_cancelled_means_endpoint_not_called():
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=0.05), rec)
+    futs = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    for f in futs:
+        f.cancel()
+    await asyncio.sleep(0.1)
+    assert rec.batches == []
+    assert await b.submit(5) == 10  # the batcher still serves
+
+
+async def test_close_fails_queued_items_instead_of_hanging():
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=10.0), rec)
+    futs = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    await b.close()
+    out = await asyncio.gather(*futs, return_exceptions=True)
+    assert all(isinstance(e, ServiceStopped) for e in out)
+    with pytest.raises(ServiceStopped):
+        await b.submit(1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_size": 0}, "max_size must be an integer >= 1"),
+        ({"max_size": 1.5}, "max_size must be an integer >= 1"),
+        ({"max_wait_s": -1}, "max_wait_s must be a number of seconds >= 0"),
+        ({"max_concurrent_batches": 0}, "max_concurrent_batches must be an integer >= 1"),
+        ({"size_fn": 3}, "size_fn must be a callable"),
+        ({"enbatch": 3}, "enbatch must be a callable, a method name"),
+    ],
+)
+def test_bad_batching_values_are_named(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        Batching(**kwargs)

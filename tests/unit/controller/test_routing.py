@@ -1,0 +1,130 @@
+"""Routers, with tiny in-process replica fakes."""
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+
+from forge.controller import KeyAffinity, LeastLoaded, RoundRobin, RouteRequest, Router, Sticky, register_router
+from forge.controller.routing import make_router
+
+
+@dataclass
+class FakeReplica:
+    replica_id: int
+    in_flight: int = 0
+    forming: set = field(default_factory=set)
+
+    def has_forming(self, endpoint, key):
+        return (endpoint, key) in self.forming
+
+
+def replicas(n):
+    return [FakeReplica(i) for i in range(n)]
+
+
+def test_round_robin_visits_each_replica_in_turn():
+    r = RoundRobin()
+    reps = replicas(3)
+    assert [r.choose(RouteRequest("ep"), reps).replica_id for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_least_loaded_never_picks_the_busiest_of_two():
+    r = LeastLoaded(seed=0)
+    reps = [FakeReplica(0, in_flight=10), FakeReplica(1, in_flight=0)]
+    assert all(r.choose(RouteRequest("ep"), reps).replica_id == 1 for _ in range(20))
+
+
+def test_least_loaded_balances_a_stream():
+    """Power of two choices keeps in-flight counts within a small spread."""
+    r = LeastLoaded(seed=1)
+    reps = replicas(4)
+    for _ in range(400):
+        r.choose(RouteRequest("ep"), reps).in_flight += 1
+    loads = [x.in_flight for x in reps]
+    assert max(loads) - min(loads) <= 3
+
+
+def test_key_affinity_sends_equal_keys_to_one_replica():
+    r = KeyAffinity(load_factor=100)
+    reps = replicas(4)
+    for key in ["a", "b", "prompt-17", 42]:
+        chosen = {r.choose(RouteRequest("ep", key), reps).replica_id for _ in range(10)}
+        assert len(chosen) == 1
+
+
+def test_key_affinity_spreads_distinct_keys():
+    r = KeyAffinity(load_factor=100)
+    reps = replicas(4)
+    counts = Counter(r.choose(RouteRequest("ep", f"k{i}"), reps).replica_id for i in range(400))
+    assert len(counts) == 4 and min(counts.values()) > 60
+
+
+def test_key_affinity_moves_only_the_removed_replicas_keys():
+    """Rendezvous hashing: removing a replica remaps only the keys it owned."""
+    r = KeyAffinity(load_factor=100)
+    reps = replicas(4)
+    keys = [f"k{i}" for i in range(300)]
+    before = {k: r.choose(RouteRequest("ep", k), reps).replica_id for k in keys}
+    after = {k: r.choose(RouteRequest("ep", k), reps[:2] + reps[3:]).replica_id for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == 2 for k in moved)
+
+
+def test_key_affinity_spills_to_least_loaded_past_the_bound():
+    r = KeyAffinity(load_factor=1.5, slack=0)
+    reps = replicas(3)
+    owner = r.owner("hot", reps)
+    owner.in_flight = 10
+    others = [x for x in reps if x is not owner]
+    others[0].in_flight, others[1].in_flight = 3, 1
+    assert r.choose(RouteRequest("ep", "hot"), reps) is others[1]
+
+
+def test_key_affinity_keeps_the_owner_within_the_bound():
+    r = KeyAffinity(load_factor=1.5, slack=2)
+    reps = replicas(3)
+    owner = r.owner("k", reps)
+    owner.in_flight = 3
+    assert r.choose(RouteRequest("ep", "k"), reps) is owner
+
+
+def test_key_affinity_prefers_a_replica_with_a_forming_batch():
+    r = KeyAffinity()
+    reps = replicas(3)
+    owner = r.owner("k", reps)
+    other = next(x for x in reps if x is not owner)
+    other.forming.add(("ep", "k"))
+    assert r.choose(RouteRequest("ep", "k"), reps) is other
+    assert r.choose(RouteRequest("other_ep", "k"), reps) is owner  # batches are per endpoint
+
+
+def test_sticky_keeps_a_session_on_its_replica_until_it_leaves():
+    r = Sticky(seed=0)
+    reps = replicas(3)
+    first = r.choose(RouteRequest("ep", "session-1"), reps)
+    for x in reps:
+        x.in_flight = 5 if x is first else 0
+    assert r.choose(RouteRequest("ep", "session-1"), reps) is first
+    rest = [x for x in reps if x is not first]
+    assert r.choose(RouteRequest("ep", "session-1"), rest) in rest
+
+
+def test_router_registry_rejects_duplicates_and_unknown_names():
+    class Mine(Router):
+        def choose(self, request, replicas):
+            return replicas[-1]
+
+    register_router("test_last_one", Mine)
+    assert isinstance(make_router("test_last_one"), Mine)
+    with pytest.raises(ValueError, match="already registered"):
+        register_router("test_last_one", Mine)
+    with pytest.raises(ValueError, match="unknown router 'nope'"):
+        make_router("nope")
+    with pytest.raises(TypeError, match="Router subclass"):
+        make_router(3)
+
+
+def test_key_affinity_rejects_bad_bounds():
+    with pytest.raises(ValueError, match="load_factor must be a number >= 1.0"):
+        KeyAffinity(load_factor=0.5)
