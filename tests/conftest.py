@@ -13,3 +13,36 @@ import forge.controller  # noqa: E402,F401  (before anything imports monarch)
 from forge.controller.provisioner import install_fault_hook  # noqa: E402
 
 install_fault_hook()
+
+
+import time  # noqa: E402
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """After the whole session, no child process of the test run may still be alive."""
+    yield
+    deadline = time.monotonic() + 15
+    while True:
+        left = [c for c in psutil.Process().children(recursive=True) if _alive(c)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not left, f"processes left behind by the tests: {[(c.pid, _cmd(c)) for c in left]}"
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _cmd(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())[:120]
+    except psutil.Error:
+        return "?"

@@ -112,10 +112,14 @@ class _KeyQueue:
     items: collections.deque = field(default_factory=collections.deque)
     total_size: int = 0
 
-    def drop_cancelled(self) -> None:
-        if any(p.future.done() for p in self.items):
-            self.items = collections.deque(p for p in self.items if not p.future.done())
-            self.total_size = sum(p.size for p in self.items)
+    def drop_done_head(self) -> None:
+        """Drop callers at the head that were cancelled (O(1) per dropped item).
+
+        Cancelled items further back stay until their batch is taken, where they are skipped;
+        scanning the whole queue on every look would make a deep queue quadratic.
+        """
+        while self.items and self.items[0].future.done():
+            self.total_size -= self.items.popleft().size
 
     def oldest(self) -> float:
         return self.items[0].enqueued_at
@@ -174,6 +178,14 @@ class Batcher:
     # ----------------------------------------------------------------- public
     async def submit(self, item: Any, key: Hashable = None) -> Any:
         """Queue one item and wait for its own result."""
+        return await self.enqueue(item, key)
+
+    def enqueue(self, item: Any, key: Hashable = None) -> asyncio.Future:
+        """Queue one item; the returned future resolves to its own result.
+
+        Synchronous on purpose: enqueueing costs no task, and cancelling the future drops
+        the item from its batch.
+        """
         if self._closed is not None:
             raise self._closed
         self.stats.requests += 1
@@ -197,12 +209,15 @@ class Batcher:
         queue.total_size += size
         self._ensure_dispatcher()
         self._wakeup.set()
-        return await future
+        return future
 
     def has_forming(self, key: Hashable) -> bool:
         """Whether a batch for ``key`` is waiting for more items (batch-aware routing uses it)."""
         queue = self._queues.get(key)
-        return queue is not None and any(not p.future.done() for p in queue.items)
+        if queue is None:
+            return False
+        queue.drop_done_head()
+        return bool(queue.items)
 
     @property
     def queued(self) -> int:
@@ -250,7 +265,7 @@ class Batcher:
             next_deadline = None
             for key in list(self._queues):
                 queue = self._queues[key]
-                queue.drop_cancelled()
+                queue.drop_done_head()
                 if not queue.items:
                     del self._queues[key]  # idle queues go away
                     continue
@@ -275,9 +290,10 @@ class Batcher:
         total = 0
         while queue.items and total + queue.items[0].size <= self.spec.max_size:
             pending = queue.items.popleft()
-            total += pending.size
-            batch.append(pending)
-        queue.total_size -= total
+            queue.total_size -= pending.size
+            if not pending.future.done():  # skip callers cancelled while queued
+                total += pending.size
+                batch.append(pending)
         if not queue.items:
             del self._queues[key]
         return batch

@@ -134,8 +134,12 @@ class Service:
 
     async def request(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable, timeout: float | None) -> Any:
         """Route one request, resending it elsewhere if its replica dies before answering."""
-        timeout = self.options.call_timeout_s if timeout is None else timeout
         batched = endpoint in self.batching
+        if timeout is None and not batched:
+            timeout = self.options.call_timeout_s
+        # A batched request without its own timeout arms no timer: each batch's message has
+        # call_timeout_s, so every queued item is answered or failed in bounded time anyway,
+        # and 2,000 queued singletons don't pay for 2,000 timers.
         retries = self.options.max_retries if retry_allowed(self.endpoints[endpoint]) else 0
         tried: set[int] = set()
         while True:
@@ -152,7 +156,8 @@ class Service:
                 logger.info("retrying %s.%s on another replica: %s", self.actor_cls.__name__, endpoint, exc)
 
     async def fanout(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> list[Any]:
-        timeout = self.options.call_timeout_s if timeout is None else timeout
+        if timeout is None and endpoint not in self.batching:
+            timeout = self.options.call_timeout_s
         replicas = self.healthy_replicas()
         if not replicas:
             raise NoHealthyReplica(f"service {self.name} has no healthy replica for fanout of {endpoint!r}")

@@ -1,0 +1,179 @@
+"""``Policy``: the vLLM sampler as a service; prompts in, groups of completions out.
+
+Callers send one ``Prompt`` each::
+
+    policy = await Policy.options(endpoint_routers={"generate": PromptAffinity}).as_service(cfg)
+    group = await policy.generate.route(prompt, key=prompt_key(prompt))
+
+The replica prebatches concurrent prompts and makes **one** engine call per batch
+(``VllmEngine.generate``, where vLLM batches prompts x ``group_size`` samples itself); that was
+faster on CPU than an async engine fed concurrently (see /work/shared/research/vllm_cpu.md §2:
+one batched ``LLM.generate`` 8.5-11.9k tok/s, ``AsyncLLM`` with 256 concurrent requests 7.2k).
+Every completion carries its prompt/response token ids, the behaviour logprob of each sampled
+token (``processed_logprobs``: after temperature, what the trainer computes) and the policy
+version it was sampled with.
+
+``update_weights(state_dict, version)`` loads new weights into the running engine in place.
+Endpoints of one actor run one at a time, so an update never lands in the middle of a batch.
+
+Routing: ``prompt_key`` + ``PromptAffinity`` send a prompt (and any retry of it) to the replica
+that owns it by rendezvous hashing, where its prefix may still be cached; the key still lets
+every prompt share one batch on that replica (see ``PromptKey``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from forge.controller import Batching, ForgeActor, KeyAffinity, endpoint
+from forge.controller.routing import RouteRequest
+from forge.types import Group, Prompt
+
+__all__ = ["Policy", "PolicyConfig", "PromptAffinity", "PromptKey", "prompt_key"]
+
+logger = logging.getLogger("forge.policy")
+
+
+@dataclass(kw_only=True)
+class PolicyConfig:
+    """How the policy's vLLM engine is started and how it samples."""
+
+    model_path: str
+    """Hugging Face checkpoint folder (safetensors + tokenizer)."""
+    group_size: int = 8
+    """Completions sampled per prompt (GRPO's G)."""
+    max_tokens: int = 16
+    """Most response tokens per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer and reference use the same one for their logprobs."""
+    top_p: float = 1.0
+    """Nucleus sampling; keep 1.0 unless the trainer applies the same mask."""
+    stop: list[str] | None = None
+    """Extra stop strings (the tokenizer's EOS always stops)."""
+    max_model_len: int = 256
+    """Longest prompt + response the engine accepts."""
+    seed: int = 0
+    """Seed of the engine's sampler."""
+    dtype: str = "float32"
+    """Engine weights dtype (``bfloat16`` on GPUs)."""
+    kv_cache_bytes: int = 64 << 20
+    """KV cache size, allocated in full at start."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra ``vllm.LLM`` arguments (e.g. ``gpu_memory_utilization``)."""
+
+
+@dataclass(frozen=True)
+class PromptKey:
+    """A routing key that routes by prompt but batches with every other prompt.
+
+    The service uses the key a caller passes both to route (``KeyAffinity`` hashes ``affinity``)
+    and to pick the replica's batch queue (equal keys share a batch). For generation we want
+    affinity per prompt but one batch for all prompts, so every ``PromptKey`` compares equal.
+    """
+
+    affinity: str = field(compare=False)
+
+    def __hash__(self) -> int:
+        return hash(PromptKey)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PromptKey)
+
+    def __repr__(self) -> str:
+        return f"PromptKey({self.affinity!r})"
+
+
+def prompt_key(prompt: Prompt) -> PromptKey:
+    """The routing key of a prompt: its text."""
+    return PromptKey(prompt.text)
+
+
+class PromptAffinity(KeyAffinity):
+    """``KeyAffinity`` on ``PromptKey.affinity`` (rendezvous hashing, bounded imbalance).
+
+    Batch-aware preference is off: every ``PromptKey`` is "the same batch", so it would send
+    every prompt to whichever replica has a batch forming and undo the affinity.
+    """
+
+    def __init__(self, load_factor: float = 1.5, slack: int = 2, seed: int | None = None) -> None:
+        super().__init__(load_factor=load_factor, slack=slack, batch_aware=False, seed=seed)
+
+    def choose(self, request: RouteRequest, replicas: Sequence[Any]) -> Any:
+        key: Hashable = request.key
+        if isinstance(key, PromptKey):
+            request = RouteRequest(request.endpoint, key.affinity)
+        return super().choose(request, replicas)
+
+
+class Policy(ForgeActor):
+    """vLLM engine behind a batched ``generate`` endpoint and an in-place ``update_weights``."""
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+        self.engine: Any = None  # forge.generation.VllmEngine, made in setup
+        self.stats = {"batches": 0, "prompts": 0, "tokens": 0, "generate_s": 0.0, "update_s": 0.0}
+
+    @endpoint
+    async def setup(self) -> None:
+        from forge.generation import VllmEngine
+
+        cfg = self.config
+        self.engine = VllmEngine.create(
+            cfg.model_path,
+            max_model_len=cfg.max_model_len,
+            seed=cfg.seed,
+            dtype=cfg.dtype,
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            **cfg.engine_kwargs,
+        )
+
+    @endpoint(batch=Batching(max_size=256, max_wait_s=0.005))
+    async def generate(self, prompts: list[Prompt]) -> list[Group]:
+        """``group_size`` completions of each prompt, from one engine call for the whole batch."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        outputs = self.engine.generate(
+            [p.text for p in prompts],
+            n=cfg.group_size,
+            temperature=cfg.temperature,
+            max_tokens=cfg.max_tokens,
+            top_p=cfg.top_p,
+            stop=cfg.stop,
+        )
+        self.stats["generate_s"] += time.perf_counter() - t0
+        self.stats["batches"] += 1
+        self.stats["prompts"] += len(prompts)
+        self.stats["tokens"] += sum(int(c.token_ids.numel()) for group in outputs for c in group)
+        return [Group(prompt=p, completions=cs) for p, cs in zip(prompts, outputs)]
+
+    @endpoint
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor] | str, version: int) -> int:
+        """Load ``state_dict`` (checkpoint names) in place and serve it as ``version``.
+
+        ``state_dict`` may also be the path of a safetensors file (e.g. in ``/dev/shm``) that
+        the trainer wrote, which saves a copy through the message layer. Returns ``version``.
+        """
+        t0 = time.perf_counter()
+        if isinstance(state_dict, str):
+            from safetensors.torch import load_file
+
+            state_dict = load_file(state_dict)
+        self.engine.update_weights(state_dict, version)
+        self.stats["update_s"] += time.perf_counter() - t0
+        return version
+
+    @endpoint
+    async def version(self) -> int:
+        """Policy version of the weights being served."""
+        return self.engine.version
+
+    @endpoint
+    async def engine_stats(self) -> dict[str, float]:
+        """Counters: batches, prompts, tokens generated, seconds in generate and in updates."""
+        return dict(self.stats)

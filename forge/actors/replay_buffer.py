@@ -1,0 +1,118 @@
+"""``ReplayBuffer``: scored groups waiting for a training step, evicted by policy age.
+
+GRPO normalises rewards within a group, so the buffer stores and hands out whole groups, never
+loose episodes. Rollouts run concurrently with training, so a group may have been sampled by a
+policy a few versions behind the trainer; ``max_policy_age`` bounds how stale it may be
+(``0`` is strictly on-policy, ``1`` is "off by one"). The loss corrects the rest with its
+behaviour-logprob importance ratio.
+
+Sampling takes groups out (each group trains once), oldest first, so data is used in the order
+it was generated. ``GroupBuffer`` holds the logic and is tested directly; ``ReplayBuffer`` is
+the actor around it.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from forge.controller import ForgeActor, endpoint
+from forge.types import Episode
+
+__all__ = ["BufferStats", "GroupBuffer", "ReplayBuffer", "group_version"]
+
+
+def group_version(group: list[Episode]) -> int:
+    """The policy version of a group: its oldest episode's."""
+    return min(e.policy_version for e in group)
+
+
+@dataclass
+class BufferStats:
+    """Counters since the buffer started."""
+
+    added: int = 0
+    sampled: int = 0
+    evicted: int = 0
+    size: int = 0
+
+
+class GroupBuffer:
+    """FIFO of episode groups with eviction by policy age.
+
+    Args:
+        max_policy_age: a group sampled with version ``g`` may train at version ``v`` only if
+            ``v - g <= max_policy_age``.
+        capacity: most groups held; adding to a full buffer drops the oldest group.
+    """
+
+    def __init__(self, max_policy_age: int, capacity: int | None = None) -> None:
+        if isinstance(max_policy_age, bool) or not isinstance(max_policy_age, int) or max_policy_age < 0:
+            raise ValueError(f"max_policy_age must be an integer >= 0, got {max_policy_age!r}")
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"capacity must be an integer >= 1 or None, got {capacity!r}")
+        self.max_policy_age = max_policy_age
+        self.capacity = capacity
+        self._groups: collections.deque[list[Episode]] = collections.deque()
+        self.stats = BufferStats()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def add(self, group: list[Episode]) -> None:
+        """Append one group (all its episodes share a ``group_id``)."""
+        if not group:
+            raise ValueError("a group needs at least one episode, got an empty list")
+        ids = {e.group_id for e in group}
+        if len(ids) != 1:
+            raise ValueError(f"a group's episodes must share one group_id, got {sorted(ids)}")
+        if self.capacity is not None and len(self._groups) >= self.capacity:
+            self._groups.popleft()
+            self.stats.evicted += 1
+        self._groups.append(group)
+        self.stats.added += 1
+
+    def evict(self, policy_version: int) -> int:
+        """Drop every group too old to train at ``policy_version``; return how many."""
+        oldest_allowed = policy_version - self.max_policy_age
+        kept = collections.deque(g for g in self._groups if group_version(g) >= oldest_allowed)
+        dropped = len(self._groups) - len(kept)
+        self._groups = kept
+        self.stats.evicted += dropped
+        return dropped
+
+    def sample(self, num_groups: int, policy_version: int) -> list[list[Episode]] | None:
+        """Evict stale groups, then take the ``num_groups`` oldest; None if there are fewer."""
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.evict(policy_version)
+        if len(self._groups) < num_groups:
+            return None
+        batch = [self._groups.popleft() for _ in range(num_groups)]
+        self.stats.sampled += num_groups
+        return batch
+
+    def snapshot(self) -> BufferStats:
+        return BufferStats(self.stats.added, self.stats.sampled, self.stats.evicted, len(self._groups))
+
+
+class ReplayBuffer(ForgeActor):
+    """The buffer as an actor: ``add(group)``, ``sample(num_groups, policy_version)``, ``stats()``."""
+
+    def __init__(self, max_policy_age: int, capacity: int | None = None) -> None:
+        self.buffer = GroupBuffer(max_policy_age, capacity)
+
+    @endpoint
+    async def add(self, group: list[Episode]) -> int:
+        """Store one group; returns the number of groups held."""
+        self.buffer.add(group)
+        return len(self.buffer)
+
+    @endpoint
+    async def sample(self, num_groups: int, policy_version: int) -> list[list[Episode]] | None:
+        """``num_groups`` groups fresh enough for ``policy_version``, or None if too few are held."""
+        return self.buffer.sample(num_groups, policy_version)
+
+    @endpoint
+    async def stats(self) -> BufferStats:
+        return self.buffer.snapshot()

@@ -1,0 +1,72 @@
+"""``RewardActor``: batched scoring of (prompt, response) pairs with pluggable reward functions.
+
+A reward function is ``fn(prompt: Prompt, response: str) -> float``. It is named either by its
+name in forge's reward registry (``forge.data.get_reward``) or as ``"package.module:function"``
+for one of your own, and several can be combined with weights::
+
+    reward = await RewardActor.options(num_replicas=1).as_service({"toy": 1.0})
+    r = await reward.score.route((prompt, completion.text))
+
+Callers send one pair each; the replica prebatches them. If a function raises on one pair,
+only that pair's caller gets an error (a ``ValueError`` naming the function and the prompt);
+the rest of the batch is scored normally.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+
+from forge.controller import Batching, ForgeActor, endpoint
+from forge.types import Prompt
+
+__all__ = ["RewardActor", "RewardFn", "resolve_reward"]
+
+RewardFn = Callable[[Prompt, str], float]
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """The reward function called ``name``: a registry name or ``"module:function"``."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"reward function {name!r} cannot be imported: {exc}") from exc
+        if not callable(fn):
+            raise ValueError(f"reward function {name!r} is not callable")
+        return fn
+    from forge.data import get_reward
+
+    return get_reward(name)
+
+
+class RewardActor(ForgeActor):
+    """Scores pairs with the weighted sum of its reward functions."""
+
+    def __init__(self, reward_fns: Mapping[str, float] | Sequence[str]) -> None:
+        if isinstance(reward_fns, Mapping):
+            self.weights = {str(k): float(v) for k, v in reward_fns.items()}
+        else:
+            self.weights = {str(name): 1.0 for name in reward_fns}
+        if not self.weights:
+            raise ValueError("RewardActor needs at least one reward function")
+        self.fns: dict[str, RewardFn] = {}
+
+    @endpoint
+    async def setup(self) -> None:
+        self.fns = {name: resolve_reward(name) for name in self.weights}
+
+    @endpoint(batch=Batching(max_size=512, max_wait_s=0.002))
+    async def score(self, items: list[tuple[Prompt, str]]) -> list[float | Exception]:
+        """The reward of each (prompt, response text) pair; a failing pair fails alone."""
+        return [self._score_one(prompt, text) for prompt, text in items]
+
+    def _score_one(self, prompt: Prompt, text: str) -> float | Exception:
+        total = 0.0
+        for name, fn in self.fns.items():
+            try:
+                total += self.weights[name] * float(fn(prompt, text))
+            except Exception as exc:  # reported to this pair's caller only
+                return ValueError(f"reward function {name!r} failed on prompt {prompt.prompt_id!r}: {exc!r}")
+        return total

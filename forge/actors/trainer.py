@@ -1,0 +1,228 @@
+"""``Trainer``: a ``transformers`` causal LM trained with the GRPO loss, publishing versioned weights.
+
+::
+
+    trainer = await Trainer.options(procs=1).as_actor(TrainerConfig(model_path=...))
+    metrics = await trainer.train_step.call_one(episodes)     # one optimizer step
+    state_dict, version = await trainer.weights.call_one()   # tensors, never lists
+    await policy.update_weights.fanout(state_dict, version)
+
+The trainer's logprobs are ``log_softmax(logits / temperature)`` at the sampler's temperature,
+the same quantity vLLM reports as ``processed_logprobs``, so the importance ratio against the
+behaviour logprobs is exactly 1 for on-policy data. ``version`` counts optimizer steps: the
+initial weights are version 0, and the weights after step ``k`` are version ``k``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forge.controller import ForgeActor, endpoint
+from forge.losses import grpo_loss
+from forge.models import pack_right_padded, padded_token_logprobs
+from forge.types import Episode
+
+__all__ = ["Trainer", "TrainerConfig"]
+
+_TIED_HEAD = "lm_head.weight"
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """Model, optimizer and loss settings of the trainer."""
+
+    model_path: str
+    """Hugging Face checkpoint folder to start from (the policy's version 0)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables it."""
+    temperature: float = 1.0
+    """The sampler's temperature: logprobs are computed at it."""
+    clip_eps: float = 0.2
+    """PPO clip range of the importance ratio (below 1)."""
+    clip_eps_high: float | None = None
+    """Upper clip range (DAPO's clip-higher); None means ``clip_eps``."""
+    beta: float = 0.04
+    """Weight of the k3 KL to the reference model."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward pass (gradients accumulate); 0 means the whole batch."""
+    dtype: str = "float32"
+    """Dtype of the trained weights."""
+    publish_dtype: str | None = None
+    """Dtype of the weights sent to the policy (e.g. ``bfloat16``); None keeps ``dtype``."""
+    pad_id: int = 0
+    """Token id used for padding (masked out)."""
+    seed: int = 0
+    """Torch seed of this process."""
+    num_threads: int = 0
+    """CPU threads for torch; 0 keeps torch's default."""
+    checkpoint_dir: str | None = None
+    """Where ``save_checkpoint`` writes (``<dir>/step_<version>``); None disables it."""
+
+
+class Trainer(ForgeActor):
+    """Holds the model and optimizer; ``train_step``, ``weights``, ``save_checkpoint``."""
+
+    # -- configuration
+    config: TrainerConfig
+    # -- model state, built in setup
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    # -- training state
+    version: int
+    _published: list[str]
+
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config
+        self.version = 0
+        self.device = torch.device("cpu")
+        self._published = []
+
+    @endpoint
+    async def setup(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        cfg = self.config
+        if cfg.num_threads > 0:
+            torch.set_num_threads(cfg.num_threads)
+        torch.manual_seed(cfg.seed)
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda")
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=getattr(torch, cfg.dtype))
+        self.model = model.to(self.device).train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        )
+
+    @endpoint
+    async def train_step(self, episodes: list[Episode]) -> dict[str, float]:
+        """One optimizer step on ``episodes``; returns loss statistics and the new version."""
+        if not episodes:
+            raise ValueError("train_step needs at least one episode, got none")
+        cfg = self.config
+        t0 = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        size = cfg.micro_batch_size or len(episodes)
+        totals: dict[str, float] = {}
+        tokens = 0
+        for start in range(0, len(episodes), size):
+            chunk = episodes[start : start + size]
+            weight = len(chunk) / len(episodes)
+            loss, stats, n_tokens = self._loss(chunk)
+            (loss * weight).backward()
+            tokens += n_tokens
+            for name, value in {"loss": loss.detach(), **stats}.items():
+                totals[name] = totals.get(name, 0.0) + weight * float(value)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if cfg.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        else:
+            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        self.optimizer.step()
+        self.version += 1
+        return {
+            **totals,
+            "grad_norm": float(grad_norm),
+            "tokens": float(tokens),
+            "train_s": time.perf_counter() - t0,
+            "policy_version": float(self.version),
+        }
+
+    def _loss(self, episodes: list[Episode]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """GRPO loss of one micro-batch; per-token inputs are laid out like the logprobs."""
+        cfg = self.config
+        batch = pack_right_padded([e.prompt_ids for e in episodes], [e.response_ids for e in episodes], cfg.pad_id)
+        logprobs = padded_token_logprobs(
+            self.model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device), cfg.temperature
+        )  # [B, L-1]
+        mask = batch.response_mask.to(self.device)  # [B, L-1]
+        # Outside the mask, behaviour and reference equal the current logprobs (ratio 1, KL 0), so
+        # no pad position can overflow exp() and poison the masked sums with inf * 0.
+        behaviour = logprobs.detach().clone()
+        reference = logprobs.detach().clone()
+        behaviour[mask] = torch.cat([e.behaviour_logprobs for e in episodes]).to(self.device, logprobs.dtype)
+        reference[mask] = torch.cat([e.ref_logprobs for e in episodes]).to(self.device, logprobs.dtype)
+        advantages = torch.tensor([e.advantage for e in episodes], dtype=logprobs.dtype, device=self.device)
+        loss, stats = grpo_loss(
+            logprobs,
+            behaviour,
+            reference,
+            advantages,
+            mask,
+            clip_eps=cfg.clip_eps,
+            clip_eps_high=cfg.clip_eps_high,
+            beta=cfg.beta,
+        )
+        return loss, stats, int(mask.sum())
+
+    @endpoint
+    async def weights(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The current weights (checkpoint names, CPU tensors) and their version.
+
+        A tied ``lm_head.weight`` is left out (the policy restores it from the embedding).
+        """
+        return self._state_dict(), self.version
+
+    @endpoint
+    async def publish_weights(self, folder: str) -> tuple[str, int]:
+        """Write the weights as one safetensors file under ``folder``; return (path, version).
+
+        On one host, with ``folder`` in ``/dev/shm``, this hands the policy a file to load
+        instead of a message to deserialise. The previous version's file is removed.
+        """
+        from safetensors.torch import save_file
+
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        path = os.path.join(folder, f"weights-{os.getpid()}-v{self.version}.safetensors")
+        tmp = path + ".tmp"
+        save_file({k: v.contiguous() for k, v in self._state_dict().items()}, tmp)
+        os.replace(tmp, path)
+        self._published.append(path)
+        while len(self._published) > 2:  # the policy may still be reading the previous one
+            stale = self._published.pop(0)
+            if os.path.exists(stale):
+                os.remove(stale)
+        return path, self.version
+
+    @endpoint
+    async def save_checkpoint(self) -> str | None:
+        """Save the model in Hugging Face format under ``checkpoint_dir``; return the folder."""
+        if self.config.checkpoint_dir is None:
+            return None
+        folder = Path(self.config.checkpoint_dir) / f"step_{self.version}"
+        self.model.save_pretrained(folder)
+        return str(folder)
+
+    @endpoint
+    async def cleanup(self) -> None:
+        """Remove published weight files."""
+        for path in self._published:
+            if os.path.exists(path):
+                os.remove(path)
+        self._published.clear()
+
+    def _state_dict(self) -> dict[str, Any]:
+        dtype = getattr(torch, self.config.publish_dtype) if self.config.publish_dtype else None
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        out = {}
+        for name, tensor in self.model.state_dict().items():
+            if tied and name == _TIED_HEAD:
+                continue
+            t = tensor.detach()
+            if dtype is not None:
+                t = t.to(dtype)
+            out[name] = t.cpu()
+        return out
