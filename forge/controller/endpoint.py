@@ -65,6 +65,7 @@ def endpoint(
     prop = decorate(method, **monarch_options)
     setattr(prop, _BATCHING_ATTR, batch)
     setattr(prop, _RETRY_ATTR, retry)
+    prop._forge_method = method  # the undecorated method, for checking calls' arguments
     return prop
 
 

@@ -48,3 +48,7 @@ class NoHealthyReplica(ForgeError):
 
 class ServiceStopped(ForgeError):
     """The service was shut down; queued and new requests get this instead of hanging."""
+
+
+class UnsendableArgument(ForgeError, TypeError):
+    """A request argument cannot be serialised for the trip to the replica (not picklable)."""

@@ -43,6 +43,18 @@ class ActorOptions:
     """Longest a replica's start (spawn + ``setup``) may take."""
     max_retries: int = 2
     """Times a request that a dead replica never answered is resent to another replica."""
+    max_restarts: int = 5
+    """Times a replica whose process died is restarted before it is left failed."""
+    restart_backoff_s: float = 0.5
+    """Wait before the first restart of a replica; doubles with each failed try (cap 30 s)."""
+    max_in_flight_per_replica: int | None = None
+    """Admission limit: requests a replica may hold (queued in its batchers or running) at
+    once. None: no limit. Past it, callers wait in the service queue."""
+    max_queued: int = 10_000
+    """Callers that may wait for admission at once; one more gets ``Overloaded`` at once."""
+    queue_timeout_s: float = 30.0
+    """Longest a caller waits for admission (or for a replica to recover) before
+    ``Overloaded`` (or ``NoHealthyReplica``)."""
     name: str | None = None
     """Mesh name prefix (default: the class name, lower-case)."""
     env: dict[str, str] = field(default_factory=dict)
@@ -55,6 +67,12 @@ class ActorOptions:
             raise ValueError(f"options(hosts={self.hosts!r}): only hosts=1 (this host) is supported")
         _check_int("num_replicas", self.num_replicas, 1)
         _check_int("max_retries", self.max_retries, 0)
+        _check_int("max_restarts", self.max_restarts, 0)
+        _check_int("max_queued", self.max_queued, 0)
+        if self.max_in_flight_per_replica is not None:
+            _check_int("max_in_flight_per_replica", self.max_in_flight_per_replica, 1)
+        _check_timeout("restart_backoff_s", self.restart_backoff_s)
+        _check_timeout("queue_timeout_s", self.queue_timeout_s)
         if not isinstance(self.with_gpus, bool):
             raise ValueError(f"options(with_gpus=...) must be True or False, got {self.with_gpus!r}")
         _check_timeout("call_timeout_s", self.call_timeout_s)

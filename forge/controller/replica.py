@@ -12,14 +12,15 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
 from monarch.actor import ActorError, ProcMesh
 
 from forge.controller.batching import Batcher, Batching
-from forge.controller.errors import EndpointError, ReplicaFailed, RequestTimeout, ServiceStopped
+from forge.controller.errors import EndpointError, ReplicaFailed, RequestTimeout, ServiceStopped, UnsendableArgument
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import spawn_proc_mesh
 
@@ -88,6 +89,8 @@ def translate_error(exc: BaseException, where: str) -> BaseException:
         return EndpointError(where, type(remote).__name__, str(remote), remote)
     if isinstance(exc, SupervisionError):
         return ReplicaFailed(f"{where}: the replica's process failed: {_first_line(exc)}")
+    if isinstance(exc, TypeError) and "pickle" in str(exc):
+        return UnsendableArgument(f"{where}: an argument cannot be sent to the replica (it must be picklable): {exc}")
     if isinstance(exc, asyncio.TimeoutError):
         return RequestTimeout(f"{where}: no answer within the timeout")
     if isinstance(exc, RuntimeError) and ("stopped" in str(exc) or "supervision" in str(exc).lower()):
@@ -114,6 +117,9 @@ class Replica:
         self.counters: dict[str, _EndpointCounters] = {}
         self.started_at: float | None = None
         self.failure: str | None = None
+        self.restarts = 0
+        self.failed_at: float | None = None
+        self.on_failure: Callable[[Replica], None] | None = None  # set by the service
         self._in_flight = 0
 
     # ----------------------------------------------------------- identity
@@ -134,8 +140,9 @@ class Replica:
         return batcher is not None and batcher.has_forming(key)
 
     # ----------------------------------------------------------- lifecycle
-    async def start(self) -> None:
-        """Spawn the proc mesh and actor, run ``setup`` on every rank, then take traffic."""
+    async def start(self, take_traffic: bool = True) -> None:
+        """Spawn the proc mesh and actor, run ``setup`` on every rank, then take traffic
+        (or, with ``take_traffic=False``, stay RECOVERING until the service resyncs it)."""
         self.state = ReplicaState.STARTING
         self.failure = None
         opts = self.spec.options
@@ -154,7 +161,7 @@ class Replica:
             for name, spec in self.spec.batching.items()
         }
         self.started_at = time.monotonic()
-        self.state = ReplicaState.HEALTHY
+        self.state = ReplicaState.HEALTHY if take_traffic else ReplicaState.RECOVERING
         logger.debug("replica %s ready in %.2fs", self.mesh_name, self.started_at - t0)
 
     def mark_failed(self, reason: str) -> None:
@@ -163,10 +170,13 @@ class Replica:
             return
         self.state = ReplicaState.FAILED
         self.failure = reason
+        self.failed_at = time.monotonic()
         logger.warning("replica %s failed: %s", self.mesh_name, reason)
         error = ReplicaFailed(f"replica {self.replica_id} of {self.spec.service_name} failed: {reason}")
         for batcher in self.batchers.values():
             asyncio.get_running_loop().create_task(batcher.close(error))
+        if self.on_failure is not None:
+            self.on_failure(self)
 
     async def stop(self, error: BaseException | None = None) -> None:
         """Fail anything still queued with ``error`` and stop the processes."""
@@ -244,14 +254,40 @@ class Replica:
 
         async def execute(items: list[Any], key: Hashable) -> Sequence[Any]:
             payload = enbatch(items) if enbatch is not None else items
-            result = await self._send(endpoint, (payload,), {}, timeout)
+            try:
+                result = await self._send(endpoint, (payload,), {}, timeout)
+            except UnsendableArgument:
+                if enbatch is not None or len(items) == 1:
+                    raise
+                return await execute_without_unsendable(items, key)  # raises if none is to blame
             return debatch(result, len(items)) if debatch is not None else result
+
+        async def execute_without_unsendable(items: list[Any], key: Hashable) -> list[Any]:
+            """One caller's unpicklable item must not fail its batch-mates: fail just it."""
+            results: list[Any] = [None] * len(items)
+            good: list[int] = []
+            for i, item in enumerate(items):
+                try:
+                    cloudpickle.dumps(item)
+                    good.append(i)
+                except Exception as exc:
+                    results[i] = UnsendableArgument(
+                        f"{self.spec.actor_cls.__name__}.{endpoint}: this request cannot be sent to the replica "
+                        f"(it must be picklable): {type(item).__name__}: {exc}"
+                    )
+            if len(good) == len(items):
+                raise UnsendableArgument(f"{self.spec.actor_cls.__name__}.{endpoint}: the batch cannot be sent to the replica")
+            if good:
+                sent = await execute([items[i] for i in good], key)
+                for i, value in zip(good, sent):
+                    results[i] = value
+            return results
 
         return execute
 
     async def _send(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
         where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
-        if self.actor_mesh is None or self.state is not ReplicaState.HEALTHY:
+        if self.actor_mesh is None or self.state not in (ReplicaState.HEALTHY, ReplicaState.RECOVERING):
             raise ReplicaFailed(f"{where}: replica is {self.state.value}")
         ep = getattr(self.actor_mesh, endpoint)
         self._counters(endpoint).messages += 1

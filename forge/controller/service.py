@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import time
 import contextvars
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
 from monarch.actor import MeshFailure
 
 from forge.controller.batching import Batching
 from forge.controller.endpoint import batching_of, retry_allowed
-from forge.controller.errors import NoHealthyReplica, ReplicaFailed, ServiceStopped
+from forge.controller.errors import NoHealthyReplica, Overloaded, ReplicaFailed, ServiceStopped
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import add_fault_listener, remove_fault_listener, split_gpus, visible_gpus
 from forge.controller.replica import Replica, ReplicaSpec, ReplicaState
@@ -71,13 +73,28 @@ class Service:
             Replica(i, ReplicaSpec(actor_cls, args, kwargs, options, self.batching, self.name, gpus[i]))
             for i in range(options.num_replicas)
         ]
+        for replica in self.replicas:
+            replica.on_failure = self._on_replica_failed
         self._session_pins: dict[str, int] = {}
         self._stopped = False
         self._fault_listener = self._on_mesh_failure
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._context = contextvars.copy_context()
+        self._resync: Callable[[Any], Awaitable[None]] | None = None
+        self._recoveries: dict[int, asyncio.Task] = {}
+        self._capacity_changed: asyncio.Condition | None = None
+        self._waiting = 0
+        self.recovery_log: list[dict[str, float]] = []
+        self._signatures = {name: _call_signature(prop) for name, prop in self.endpoints.items()}
 
     # ----------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Start every replica concurrently; if any fails to start, stop all and raise."""
+        self._loop = asyncio.get_running_loop()
+        # Monarch's fault hook runs on Monarch's thread with Monarch's own context variables;
+        # failure handling and restarts must run in the context the service was started in.
+        self._context = contextvars.copy_context()
+        self._capacity_changed = asyncio.Condition()
         add_fault_listener(self._fault_listener)
         results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
         errors = [e for e in results if isinstance(e, BaseException)]
@@ -92,16 +109,74 @@ class Service:
             return
         self._stopped = True
         error = ServiceStopped(f"service {self.name} was shut down")
+        for task in self._recoveries.values():
+            task.cancel()
+        await asyncio.gather(*self._recoveries.values(), return_exceptions=True)
         await asyncio.gather(*(r.stop(error) for r in self.replicas), return_exceptions=True)
         remove_fault_listener(self._fault_listener)
+        await self._notify_capacity()
 
+    def set_resync(self, resync: Callable[[Any], Awaitable[None]] | None) -> None:
+        """``await resync(actor_mesh)`` runs on a restarted replica before it takes traffic,
+        so that it rejoins at the service's current state (e.g. the current weight version).
+        It may call the replica's endpoints: ``await actor_mesh.load.call(state)``."""
+        if resync is not None and not callable(resync):
+            raise TypeError(f"set_resync needs an async callable taking the replica's actor mesh, got {resync!r}")
+        self._resync = resync
+
+    # ----------------------------------------------------------- failures
     def _on_mesh_failure(self, failure: MeshFailure) -> bool:
+        """Monarch's fault hook (called on Monarch's own thread): hand over to our loop."""
         mesh_name = str(getattr(failure, "mesh_name", ""))
         for replica in self.replicas:
-            if replica.state is not ReplicaState.STOPPED and mesh_name.startswith(replica.mesh_name):
-                replica.mark_failed(f"mesh {mesh_name} failed")
+            if replica.state is not ReplicaState.STOPPED and mesh_name.startswith(replica.mesh_name + "-"):
+                if self._loop is not None and not self._loop.is_closed():
+                    self._loop.call_soon_threadsafe(
+                        replica.mark_failed, f"its process died ({_first_line(failure)})", context=self._context.copy()
+                    )
                 return True
         return False
+
+    def _on_replica_failed(self, replica: Replica) -> None:
+        """A replica's process died: restart it in the background (with backoff)."""
+        if self._stopped or replica.replica_id in self._recoveries:
+            return
+        loop = asyncio.get_running_loop()
+        task = self._context.copy().run(loop.create_task, self._recover(replica), name=f"{replica.mesh_name}-recover")
+        self._recoveries[replica.replica_id] = task
+        task.add_done_callback(lambda _: self._recoveries.pop(replica.replica_id, None))
+
+    async def _recover(self, replica: Replica) -> None:
+        failed_at = replica.failed_at or time.monotonic()
+        attempt = 0
+        while not self._stopped:
+            if replica.restarts >= self.options.max_restarts:
+                logger.error("replica %s failed %d times; not restarting it again", replica.mesh_name, replica.restarts)
+                await self._notify_capacity()
+                return
+            await asyncio.sleep(min(self.options.restart_backoff_s * 2 ** attempt, 30.0))
+            await replica.stop(ReplicaFailed(f"replica {replica.replica_id} is restarting"))
+            replica.generation += 1
+            replica.restarts += 1
+            try:
+                await replica.start(take_traffic=False)
+                if self._resync is not None:
+                    await self._resync(replica.actor_mesh)
+            except Exception as exc:
+                attempt += 1
+                replica.state = ReplicaState.FAILED
+                logger.warning("restarting replica %s failed (%s); retrying", replica.mesh_name, _first_line(exc), exc_info=logger.isEnabledFor(logging.DEBUG))
+                continue
+            replica.state = ReplicaState.HEALTHY
+            self.recovery_log.append({"replica": replica.replica_id, "recovery_s": time.monotonic() - failed_at})
+            logger.info("replica %s is back after %.1fs", replica.mesh_name, time.monotonic() - failed_at)
+            await self._notify_capacity()
+            return
+
+    async def _notify_capacity(self) -> None:
+        if self._capacity_changed is not None:
+            async with self._capacity_changed:
+                self._capacity_changed.notify_all()
 
     # ----------------------------------------------------------- routing
     def router(self, endpoint: str) -> Router:
@@ -114,13 +189,15 @@ class Service:
     def healthy_replicas(self) -> list[Replica]:
         return [r for r in self.replicas if r.accepting]
 
-    def choose(self, endpoint: str, key: Hashable, exclude: set[int] = frozenset()) -> Replica:  # type: ignore[assignment]
-        if self._stopped:
-            raise ServiceStopped(f"service {self.name} was shut down")
-        candidates = [r for r in self.healthy_replicas() if r.replica_id not in exclude]
-        if not candidates:
-            states = {r.replica_id: r.state.value for r in self.replicas}
-            raise NoHealthyReplica(f"service {self.name} has no replica that can take {endpoint!r}: {states}")
+    def _candidates(self, exclude: set[tuple[int, int]]) -> list[Replica]:
+        limit = self.options.max_in_flight_per_replica
+        return [
+            r for r in self.replicas
+            if r.accepting and (r.replica_id, r.generation) not in exclude and (limit is None or r.in_flight < limit)
+        ]
+
+    def choose(self, endpoint: str, key: Hashable, candidates: list[Replica]) -> Replica:
+        """The replica for one request: its session's replica, else the endpoint's router's pick."""
         session = _current_session.get()
         if session is not None:
             pinned = self._session_pins.get(session)
@@ -132,32 +209,89 @@ class Service:
             self._session_pins[session] = chosen.replica_id
         return chosen  # type: ignore[return-value]
 
+    async def _admit(self, endpoint: str, exclude: set[tuple[int, int]]) -> list[Replica]:
+        """Replicas that can take one more request now, waiting (bounded) if there are none."""
+        if self._stopped:
+            raise ServiceStopped(f"service {self.name} was shut down")
+        candidates = self._candidates(exclude)
+        if candidates:
+            return candidates
+        if self._waiting >= self.options.max_queued:
+            raise Overloaded(f"service {self.name}: {self._waiting} callers already wait for admission (max_queued={self.options.max_queued})")
+        assert self._capacity_changed is not None
+        deadline = time.monotonic() + self.options.queue_timeout_s
+        self._waiting += 1
+        try:
+            async with self._capacity_changed:
+                while True:
+                    if self._stopped:
+                        raise ServiceStopped(f"service {self.name} was shut down")
+                    candidates = self._candidates(exclude)
+                    if candidates:
+                        return candidates
+                    if not any(r.state in (ReplicaState.STARTING, ReplicaState.RECOVERING, ReplicaState.HEALTHY)
+                               or r.replica_id in self._recoveries for r in self.replicas):
+                        states = {r.replica_id: r.state.value for r in self.replicas}
+                        raise NoHealthyReplica(f"service {self.name} has no replica that can take {endpoint!r}: {states}")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        if self.healthy_replicas():
+                            raise Overloaded(
+                                f"service {self.name}: every replica holds max_in_flight_per_replica="
+                                f"{self.options.max_in_flight_per_replica} requests; waited {self.options.queue_timeout_s}s"
+                            )
+                        raise NoHealthyReplica(f"service {self.name}: no replica recovered within {self.options.queue_timeout_s}s")
+                    try:
+                        await asyncio.wait_for(self._capacity_changed.wait(), remaining)
+                    except asyncio.TimeoutError:
+                        pass
+        finally:
+            self._waiting -= 1
+
     async def request(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable, timeout: float | None) -> Any:
         """Route one request, resending it elsewhere if its replica dies before answering."""
         batched = endpoint in self.batching
+        if not batched:
+            self._check_call(endpoint, args, kwargs)
         if timeout is None and not batched:
             timeout = self.options.call_timeout_s
         # A batched request without its own timeout arms no timer: each batch's message has
         # call_timeout_s, so every queued item is answered or failed in bounded time anyway,
         # and 2,000 queued singletons don't pay for 2,000 timers.
         retries = self.options.max_retries if retry_allowed(self.endpoints[endpoint]) else 0
-        tried: set[int] = set()
+        tried: set[tuple[int, int]] = set()
         while True:
-            replica = self.choose(endpoint, key, tried)
+            replica = self.choose(endpoint, key, await self._admit(endpoint, tried))
+            generation = replica.generation
             try:
                 if batched:
                     return await replica.submit(endpoint, args[0], key, timeout)
                 return await replica.call(endpoint, args, kwargs, timeout)
             except ReplicaFailed as exc:
-                tried.add(replica.replica_id)
+                tried.add((replica.replica_id, generation))
                 if retries <= 0 or self._stopped:
                     raise
                 retries -= 1
                 logger.info("retrying %s.%s on another replica: %s", self.actor_cls.__name__, endpoint, exc)
+            finally:
+                if self._waiting:
+                    await self._notify_capacity()
+
+    def _check_call(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Wrong arity or keyword names fail here, naming the endpoint's signature."""
+        signature = self._signatures.get(endpoint)
+        if signature is None:
+            return
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.actor_cls.__name__}.{endpoint}{signature}: {exc}") from None
 
     async def fanout(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> list[Any]:
         if timeout is None and endpoint not in self.batching:
             timeout = self.options.call_timeout_s
+        if endpoint not in self.batching:
+            self._check_call(endpoint, args, kwargs)
         replicas = self.healthy_replicas()
         if not replicas:
             raise NoHealthyReplica(f"service {self.name} has no healthy replica for fanout of {endpoint!r}")
@@ -206,6 +340,29 @@ class Service:
             for ep, t in totals.items()
         }
         return {"service": self.name, "replicas": replicas, "endpoints": endpoints}
+
+
+def _call_signature(prop: Any) -> inspect.Signature | None:
+    """The endpoint's signature without ``self``, for checking calls before they are sent."""
+    method = getattr(prop, "_forge_method", None)
+    if method is None and not getattr(prop, "_explicit_response_port", False):
+        method = getattr(prop, "_method", None)
+    if method is None:
+        return None
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):
+        return None
+    params = list(signature.parameters.values())[1:]  # drop self
+    return signature.replace(parameters=params)
+
+
+def _first_line(value: Any) -> str:
+    try:
+        text = str(value.report())
+    except Exception:
+        text = str(value)
+    return text.strip().splitlines()[-1].strip()[:300] if text.strip() else repr(value)
 
 
 class EndpointHandle:
@@ -265,6 +422,10 @@ class ServiceInterface:
 
     def metrics(self) -> dict[str, Any]:
         return self._service.metrics()
+
+    def set_resync(self, resync: Callable[[Any], Awaitable[None]] | None) -> None:
+        """See ``Service.set_resync``: the step a restarted replica runs before taking traffic."""
+        self._service.set_resync(resync)
 
     @property
     def service(self) -> Service:

@@ -1,0 +1,206 @@
+"""The GRPO app's config: a tree of typed dataclasses, loaded from YAML plus ``key=value`` overrides.
+
+Every field is documented where it is defined. ``forge.config.load_config`` checks a YAML file
+and the command-line overrides against ``GRPOConfig``: an unknown key, a wrong type or a missing
+required value is an error naming the full key path (e.g. ``trainer.lr``). Cross-field rules
+live in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class TinyModel:
+    """Settings of the tiny random-init model made at ``model.path`` when it is missing."""
+
+    arch: str = "qwen2"
+    """``qwen2`` or ``qwen3``."""
+    hidden_size: int = 128
+    """Model width, a multiple of 64."""
+    num_layers: int = 2
+    """Decoder layers."""
+    seed: int = 0
+    """Seed of the random init."""
+    init_std: float = 0.02
+    """Std of the normal weight init."""
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    path: str = "models/tiny"
+    """Hugging Face checkpoint folder shared by policy, reference and trainer."""
+    tiny: TinyModel | None = None
+    """If set, make a tiny model at ``path`` when none is there (CPU demos and tests)."""
+
+
+@dataclass(kw_only=True)
+class Placement:
+    """Where a role runs (see ``forge.controller.ActorOptions``)."""
+
+    procs: int = 1
+    """Processes per replica."""
+    num_replicas: int = 1
+    """Replicas (services only)."""
+    with_gpus: bool = False
+    """Give each process its own GPU."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the role's processes."""
+
+
+@dataclass(kw_only=True)
+class PolicySection(Placement):
+    max_tokens: int = 16
+    """Most response tokens per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer and the reference compute logprobs at it too."""
+    top_p: float = 1.0
+    """Nucleus sampling. Keep 1.0: the trainer's logprobs do not apply a top-p mask."""
+    max_model_len: int = 256
+    """Longest prompt + response the engine accepts."""
+    dtype: str = "float32"
+    """Engine dtype (``bfloat16`` on GPUs)."""
+    kv_cache_bytes: int = 64 << 20
+    """vLLM KV cache size (CPU); allocated in full at start."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra ``vllm.LLM`` arguments, e.g. ``gpu_memory_utilization``."""
+
+
+@dataclass(kw_only=True)
+class ReferenceSection(Placement):
+    dtype: str = "float32"
+    """Reference model dtype."""
+
+
+@dataclass(kw_only=True)
+class RewardSection(Placement):
+    fns: dict[str, float] = field(default_factory=lambda: {"toy": 1.0})
+    """Reward functions (registry name or ``module:function``) and their weights."""
+
+
+@dataclass(kw_only=True)
+class TrainerSection(Placement):
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables it."""
+    clip_eps: float = 0.2
+    """PPO clip range of the importance ratio."""
+    clip_eps_high: float | None = None
+    """Upper clip range (clip-higher); null means ``clip_eps``."""
+    beta: float = 0.04
+    """Weight of the k3 KL to the reference model."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward (gradient accumulation); 0 is the whole batch."""
+    dtype: str = "float32"
+    """Dtype of the trained weights."""
+    publish_dtype: str | None = None
+    """Dtype of the weights sent to the policy; null keeps ``dtype``."""
+    num_threads: int = 0
+    """Torch CPU threads of the trainer process; 0 keeps torch's default."""
+    checkpoint_every: int = 0
+    """Save a Hugging Face checkpoint under ``<output_dir>/checkpoints`` every N steps; 0 never."""
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    source: str = "toy"
+    """``toy`` (the built-in arithmetic task) or ``jsonl`` (prompts read from ``path``)."""
+    path: str | None = None
+    """JSONL file of prompts when ``source`` is ``jsonl``."""
+    prompt_template: str = "{text}"
+    """Format of the text sent to the policy; ``{text}`` is the prompt's text."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the task or reader."""
+
+
+@dataclass(kw_only=True)
+class RolloutSection:
+    concurrency: int = 0
+    """Prompts in flight at once (each one group); 0 means ``prompts_per_step``."""
+    max_buffered_groups: int = 0
+    """Most groups buffered or in flight before rollouts wait; 0 means
+    ``prompts_per_step * (max_policy_age + 1)``."""
+
+
+@dataclass(kw_only=True)
+class WeightSyncSection:
+    transport: str = "message"
+    """``message``: tensors in a Monarch message via the controller; ``file``: the trainer writes
+    a safetensors file under ``dir`` (same host only) and the policy loads it."""
+    dir: str = "/dev/shm/forge-weights"
+    """Folder of the ``file`` transport."""
+
+
+@dataclass(kw_only=True)
+class LoggingSection:
+    output_dir: str = "outputs/grpo"
+    """Where ``metrics.jsonl``, the plot and TensorBoard events go."""
+    console_every: int = 0
+    """Print a metrics line every N steps (besides the progress bar); 0 never."""
+    tensorboard: bool = True
+    """Write TensorBoard events when ``tensorboard`` is installed."""
+    plot: bool = True
+    """Write ``<output_dir>/reward_loss.png`` at the end."""
+    progress_bar: bool = True
+    """Show a progress bar with reward, loss and step time."""
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    """The whole app: GRPO settings, then one section per role."""
+
+    steps: int = 150
+    """Training steps (optimizer updates)."""
+    group_size: int = 8
+    """Completions per prompt."""
+    prompts_per_step: int = 16
+    """Groups (prompts) in one training batch."""
+    max_policy_age: int = 1
+    """Off-by-n: a group sampled by policy version g trains at version v only if v - g <= this."""
+    seed: int = 0
+    """Seed of data order, sampling and the trainer."""
+    model: ModelSection = field(default_factory=ModelSection)
+    policy: PolicySection = field(default_factory=PolicySection)
+    reference: ReferenceSection = field(default_factory=ReferenceSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    data: DataSection = field(default_factory=DataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "group_size", "prompts_per_step"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_policy_age < 0:
+            raise ValueError(f"max_policy_age must be >= 0, got {self.max_policy_age}")
+        if self.policy.top_p != 1.0:
+            raise ValueError(
+                f"policy.top_p must be 1.0, got {self.policy.top_p}: the trainer's logprobs "
+                "do not apply a nucleus mask, so behaviour and trainer logprobs would disagree"
+            )
+        if not self.policy.temperature > 0:
+            raise ValueError(f"policy.temperature must be > 0 for RL sampling, got {self.policy.temperature}")
+        if self.weight_sync.transport not in ("message", "file"):
+            raise ValueError(f"weight_sync.transport must be 'message' or 'file', got {self.weight_sync.transport!r}")
+        if self.data.source not in ("toy", "jsonl"):
+            raise ValueError(f"data.source must be 'toy' or 'jsonl', got {self.data.source!r}")
+        if self.data.source == "jsonl" and not self.data.path:
+            raise ValueError("data.path is required when data.source is 'jsonl'")
+        if not self.reward.fns:
+            raise ValueError("reward.fns needs at least one reward function")
+
+    @property
+    def rollout_concurrency(self) -> int:
+        return self.rollout.concurrency or self.prompts_per_step
+
+    @property
+    def max_buffered_groups(self) -> int:
+        return self.rollout.max_buffered_groups or self.prompts_per_step * (self.max_policy_age + 1)

@@ -1,0 +1,87 @@
+"""``Dataset``: hands out prompts, with their answers, one at a time.
+
+Two sources: ``toy`` (``forge.data.ToyTask``, an endless stream of arithmetic-style prompts a
+tiny model can learn on a CPU) and ``jsonl`` (``forge.data.read_jsonl_prompts``, e.g. GSM8K,
+reshuffled every epoch). ``prompt_template`` formats the text the policy sees (``{text}`` is the
+prompt's own text); the answer is left untouched for the reward functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from forge.controller import ForgeActor, endpoint
+from forge.types import Prompt
+
+__all__ = ["Dataset", "DatasetConfig", "prompt_stream"]
+
+
+@dataclass(kw_only=True)
+class DatasetConfig:
+    source: str = "toy"
+    """``toy`` or ``jsonl``."""
+    path: str | None = None
+    """JSONL file (``jsonl`` source)."""
+    prompt_template: str = "{text}"
+    """Format of the policy's input; ``{text}`` is the prompt's text."""
+    seed: int = 0
+    """Seed of the prompt order."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of ``ToyTask`` or ``read_jsonl_prompts``."""
+
+
+def prompt_stream(config: DatasetConfig) -> Iterator[Prompt]:
+    """An endless iterator of prompts from ``config`` (templated)."""
+    if config.source == "toy":
+        from forge.data import ToyTask
+
+        source: Iterator[Prompt] = iter(ToyTask(seed=config.seed, **config.options))
+    elif config.source == "jsonl":
+        if not config.path:
+            raise ValueError("DatasetConfig.path is required for source 'jsonl'")
+        source = _epochs(config.path, config.seed, config.options)
+    else:
+        raise ValueError(f"DatasetConfig.source must be 'toy' or 'jsonl', got {config.source!r}")
+    if config.prompt_template == "{text}":
+        return source
+    return (dataclasses.replace(p, text=config.prompt_template.format(text=p.text)) for p in source)
+
+
+def _epochs(path: str, seed: int, options: dict[str, Any]) -> Iterator[Prompt]:
+    from forge.data import read_jsonl_prompts
+
+    prompts = list(read_jsonl_prompts(path, **options))
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    rng = random.Random(seed)
+    while True:
+        order = prompts[:]
+        rng.shuffle(order)
+        yield from order
+
+
+class Dataset(ForgeActor):
+    """``sample()`` returns the next prompt; ``sample_many(n)`` the next ``n``."""
+
+    def __init__(self, config: DatasetConfig) -> None:
+        self.config = config
+        self._prompts: Iterator[Prompt] | None = None
+        self.served = 0
+
+    @endpoint
+    async def setup(self) -> None:
+        self._prompts = prompt_stream(self.config)
+
+    @endpoint
+    async def sample(self) -> Prompt:
+        self.served += 1
+        return next(self._prompts)
+
+    @endpoint
+    async def sample_many(self, n: int) -> list[Prompt]:
+        self.served += n
+        return [next(self._prompts) for _ in range(n)]

@@ -1,0 +1,250 @@
+"""Fault tolerance on real CPU meshes: replica death, restart, resync, admission, bad input."""
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from forge.controller import (
+    Batching,
+    EndpointError,
+    ForgeActor,
+    ForgeError,
+    Overloaded,
+    ReplicaFailed,
+    ReplicaState,
+    RequestTimeout,
+    endpoint,
+)
+from forge.controller.errors import UnsendableArgument
+
+
+def explode(items):
+    if "boom" in items:
+        raise ValueError("cannot assemble 'boom'")
+    return items
+
+
+class Worker(ForgeActor):
+    def __init__(self) -> None:
+        self.value = 0
+
+    @endpoint(batch=Batching(max_size=16, max_wait_s=0.005))
+    async def work(self, items: list[int]) -> list[int]:
+        await asyncio.sleep(0.005)
+        return [x + 1 for x in items]
+
+    @endpoint(batch=Batching(max_size=4, max_wait_s=0.02, enbatch=explode))
+    async def assembled(self, items: list[str]) -> list[str]:
+        return [s.upper() for s in items]
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint(retry=False)
+    async def crash(self) -> None:
+        os._exit(3)
+
+    @endpoint(retry=False)
+    async def once(self, x: int) -> int:
+        await asyncio.sleep(0.5)
+        return x
+
+    @endpoint(concurrent=True)
+    async def slow(self, x: int) -> int:
+        await asyncio.sleep(1.0)
+        return x
+
+    @endpoint
+    async def set_value(self, v: int) -> None:
+        self.value = v
+
+    @endpoint
+    async def get_value(self) -> int:
+        return self.value
+
+    @endpoint
+    async def fail(self) -> None:
+        raise RuntimeError("application error")
+
+
+async def wait_until(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def all_healthy(svc) -> bool:
+    return all(r.state is ReplicaState.HEALTHY for r in svc.service.replicas)
+
+
+async def test_killed_replica_loses_no_request_and_comes_back():
+    """1,000 requests over 3 replicas, one SIGKILLed mid-way: every request answered, none hung."""
+    svc = await Worker.options(num_replicas=3, router="least_loaded", restart_backoff_s=0.2).as_service()
+    try:
+        victim = svc.service.replicas[1]
+        victim_pid = await victim.call("pid", (), {}, 10)
+
+        async def one(i: int):
+            await asyncio.sleep(i * 0.004)  # spread the 1,000 requests over ~4 s
+            return await svc.work.route(i)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(1000)]
+        await asyncio.sleep(1.5)
+        os.kill(victim_pid, signal.SIGKILL)
+        done, pending = await asyncio.wait(tasks, timeout=60)
+        ok = sum(1 for t in done if not t.exception() and t.result() == tasks.index(t) + 1)
+        clear = sum(1 for t in done if isinstance(t.exception(), ForgeError))
+        print(f"requests=1000 ok={ok} failed_clear={clear} hung={len(pending)}")
+        assert not pending
+        assert ok + clear == 1000
+        assert ok >= 990  # in-flight requests of the dead replica were retried elsewhere
+        await wait_until(lambda: all_healthy(svc))
+        assert victim.generation == 1 and victim.restarts == 1
+        pids = await svc.pid.fanout()
+        assert len(set(pids)) == 3 and victim_pid not in pids
+        assert svc.service.recovery_log and svc.service.recovery_log[0]["recovery_s"] < 15
+    finally:
+        await svc.shutdown()
+
+
+async def test_process_exit_inside_endpoint_is_reported_and_replica_restarts():
+    svc = await Worker.options(num_replicas=2, restart_backoff_s=0.2).as_service()
+    try:
+        with pytest.raises(ReplicaFailed):
+            await svc.crash.route()
+        assert await svc.work.route_many([1, 2, 3]) == [2, 3, 4]  # served by the survivor
+        await wait_until(lambda: all_healthy(svc))
+        assert sum(r.restarts for r in svc.service.replicas) == 1
+    finally:
+        await svc.shutdown()
+
+
+async def test_non_idempotent_endpoint_is_not_retried():
+    svc = await Worker.options(num_replicas=2, restart_backoff_s=0.2).as_service()
+    try:
+        target = svc.service.replicas[0]
+        pid = await target.call("pid", (), {}, 10)
+        call = asyncio.ensure_future(target.call("once", (7,), {}, 30))
+        await asyncio.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ReplicaFailed, match="process failed"):
+            await call
+    finally:
+        await svc.shutdown()
+
+
+async def test_restarted_replica_resyncs_before_taking_traffic():
+    svc = await Worker.options(num_replicas=2, restart_backoff_s=0.2).as_service()
+    try:
+        current = {"value": 42}
+        await svc.set_value.fanout(current["value"])
+
+        async def resync(actor_mesh):
+            await actor_mesh.set_value.call(current["value"])
+
+        svc.set_resync(resync)
+        pid = await svc.service.replicas[0].call("pid", (), {}, 10)
+        os.kill(pid, signal.SIGKILL)
+        await wait_until(lambda: svc.service.replicas[0].generation == 1 and all_healthy(svc))
+        assert await svc.get_value.fanout() == [42, 42]
+    finally:
+        await svc.shutdown()
+
+
+async def test_application_errors_never_restart_a_replica():
+    svc = await Worker.options(num_replicas=2).as_service()
+    try:
+        for _ in range(4):
+            with pytest.raises(EndpointError, match="RuntimeError: application error"):
+                await svc.fail.route()
+        await asyncio.sleep(1.5)  # longer than failure detection
+        assert [(r.state, r.generation) for r in svc.service.replicas] == [(ReplicaState.HEALTHY, 0)] * 2
+    finally:
+        await svc.shutdown()
+
+
+async def test_admission_limits_give_overloaded_after_the_queue_wait():
+    svc = await Worker.options(num_replicas=1, max_in_flight_per_replica=2, max_queued=3, queue_timeout_s=0.3).as_service()
+    try:
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(svc.slow.route(i) for i in range(10)), return_exceptions=True)
+        served = [r for r in results if isinstance(r, int)]
+        overloaded = [r for r in results if isinstance(r, Overloaded)]
+        assert len(served) == 2 and len(overloaded) == 8
+        assert sum("max_queued=3" in str(e) for e in overloaded) == 5  # no room even to wait
+        assert sum("waited 0.3s" in str(e) for e in overloaded) == 3
+        assert time.monotonic() - t0 < 3
+    finally:
+        await svc.shutdown()
+
+
+async def test_per_call_timeout():
+    svc = await Worker.options(num_replicas=1).as_service()
+    try:
+        with pytest.raises(RequestTimeout):
+            await svc.slow.route(1, timeout=0.1)
+        with pytest.raises(RequestTimeout):
+            await svc.work.route(1, timeout=1e-6)
+    finally:
+        await svc.shutdown()
+
+
+async def test_flood_keeps_controller_memory_bounded():
+    """100,000 requests offered against a small limit: they are refused, not buffered."""
+    svc = await Worker.options(num_replicas=1, max_in_flight_per_replica=32, max_queued=100, queue_timeout_s=0.5).as_service()
+    try:
+        rss_before = psutil.Process().memory_info().rss
+        served = refused = 0
+        for wave in range(10):
+            out = await asyncio.gather(*(svc.work.route(i) for i in range(10_000)), return_exceptions=True)
+            served += sum(isinstance(r, int) for r in out)
+            refused += sum(isinstance(r, Overloaded) for r in out)
+        growth_mb = (psutil.Process().memory_info().rss - rss_before) / 2**20
+        print(f"offered=100000 served={served} refused={refused} rss_growth_mb={growth_mb:.1f}")
+        assert served + refused == 100_000 and served > 0
+        assert growth_mb < 200
+    finally:
+        await svc.shutdown()
+
+
+async def test_unpicklable_item_fails_only_its_caller():
+    svc = await Worker.options(num_replicas=1).as_service()
+    try:
+        lock = threading.Lock()
+        out = await asyncio.gather(svc.work.route(1), svc.work.route(lock), svc.work.route(3), return_exceptions=True)
+        assert out[0] == 2 and out[2] == 4
+        assert isinstance(out[1], UnsendableArgument) and "lock" in str(out[1])
+        with pytest.raises(UnsendableArgument, match="must be picklable"):
+            await svc.set_value.route(lock)
+    finally:
+        await svc.shutdown()
+
+
+async def test_failing_assembly_fails_only_its_batch():
+    svc = await Worker.options(num_replicas=1).as_service()
+    try:
+        bad = await asyncio.gather(svc.assembled.route("a"), svc.assembled.route("boom"), return_exceptions=True)
+        assert all(isinstance(e, ValueError) and "boom" in str(e) for e in bad)
+        assert await svc.assembled.route_many(["x", "y"]) == ["X", "Y"]
+    finally:
+        await svc.shutdown()
+
+
+async def test_wrong_arguments_name_the_endpoint_signature():
+    svc = await Worker.options(num_replicas=1).as_service()
+    try:
+        with pytest.raises(TypeError, match=r"Worker.set_value\(v: int\) -> None: missing a required argument: 'v'"):
+            await svc.set_value.route()
+        with pytest.raises(TypeError, match="unexpected keyword argument 'w'"):
+            await svc.set_value.route(1, w=2)
+        with pytest.raises(EndpointError, match="TypeError"):
+            await svc.work.route("not a number")
+    finally:
+        await svc.shutdown()
