@@ -57,3 +57,88 @@ class Episode:
     reward: float
     advantage: float
     policy_version: int
+
+
+def _split(flat: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Per-item copies (not views: a view would carry the whole flat storage when sent)."""
+    return [t.clone() for t in torch.split(flat, lengths.tolist())]
+
+
+@dataclass
+class EpisodeBatch:
+    """Many episodes packed into flat tensors: the form in which episodes travel.
+
+    Monarch serialises every tensor of a message separately (~0.1 ms per tensor, send and
+    receive), so 128 ``Episode`` objects (512 tensors) cost ~50 ms per hop; packed, the same
+    episodes are ten tensors. ``pack``/``unpack`` convert; ``concat`` joins batches (e.g. the
+    groups of one training step). Per-token fields are concatenated in episode order and split
+    by ``prompt_lens``/``response_lens``.
+    """
+
+    group_ids: list[str]
+    prompt_ids: torch.Tensor  # int64 [sum P]
+    prompt_lens: torch.Tensor  # int64 [B]
+    response_ids: torch.Tensor  # int64 [sum T]
+    response_lens: torch.Tensor  # int64 [B]
+    behaviour_logprobs: torch.Tensor  # float32 [sum T]
+    ref_logprobs: torch.Tensor  # float32 [sum T]
+    rewards: torch.Tensor  # float32 [B]
+    advantages: torch.Tensor  # float32 [B]
+    policy_versions: torch.Tensor  # int64 [B]
+
+    def __len__(self) -> int:
+        return len(self.group_ids)
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest episode's policy version."""
+        return int(self.policy_versions.min())
+
+    @classmethod
+    def pack(cls, episodes: list[Episode]) -> EpisodeBatch:
+        if not episodes:
+            raise ValueError("EpisodeBatch.pack needs at least one episode")
+        return cls(
+            group_ids=[e.group_id for e in episodes],
+            prompt_ids=torch.cat([e.prompt_ids.long() for e in episodes]),
+            prompt_lens=torch.tensor([e.prompt_ids.numel() for e in episodes], dtype=torch.long),
+            response_ids=torch.cat([e.response_ids.long() for e in episodes]),
+            response_lens=torch.tensor([e.response_ids.numel() for e in episodes], dtype=torch.long),
+            behaviour_logprobs=torch.cat([e.behaviour_logprobs.float() for e in episodes]),
+            ref_logprobs=torch.cat([e.ref_logprobs.float() for e in episodes]),
+            rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+            advantages=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
+            policy_versions=torch.tensor([e.policy_version for e in episodes], dtype=torch.long),
+        )
+
+    @classmethod
+    def concat(cls, batches: list[EpisodeBatch]) -> EpisodeBatch:
+        if not batches:
+            raise ValueError("EpisodeBatch.concat needs at least one batch")
+        cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731
+        return cls(
+            group_ids=[g for b in batches for g in b.group_ids],
+            **{name: cat(name) for name in (
+                "prompt_ids", "prompt_lens", "response_ids", "response_lens", "behaviour_logprobs",
+                "ref_logprobs", "rewards", "advantages", "policy_versions",
+            )},
+        )
+
+    def unpack(self) -> list[Episode]:
+        prompts = _split(self.prompt_ids, self.prompt_lens)
+        responses = _split(self.response_ids, self.response_lens)
+        behaviour = _split(self.behaviour_logprobs, self.response_lens)
+        reference = _split(self.ref_logprobs, self.response_lens)
+        return [
+            Episode(
+                group_id=self.group_ids[i],
+                prompt_ids=prompts[i],
+                response_ids=responses[i],
+                behaviour_logprobs=behaviour[i],
+                ref_logprobs=reference[i],
+                reward=float(self.rewards[i]),
+                advantage=float(self.advantages[i]),
+                policy_version=int(self.policy_versions[i]),
+            )
+            for i in range(len(self))
+        ]

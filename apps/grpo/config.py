@@ -14,8 +14,10 @@ from typing import Any
 
 @dataclass(kw_only=True)
 class TinyModel:
-    """Settings of the tiny random-init model made at ``model.path`` when it is missing."""
+    """The tiny random-init model made at ``model.path`` (CPU demos and tests)."""
 
+    make_if_missing: bool = False
+    """Make the tiny model at ``model.path`` when no model is there."""
     arch: str = "qwen2"
     """``qwen2`` or ``qwen3``."""
     hidden_size: int = 128
@@ -32,8 +34,8 @@ class TinyModel:
 class ModelSection:
     path: str = "models/tiny"
     """Hugging Face checkpoint folder shared by policy, reference and trainer."""
-    tiny: TinyModel | None = None
-    """If set, make a tiny model at ``path`` when none is there (CPU demos and tests)."""
+    tiny: TinyModel = field(default_factory=TinyModel)
+    """The tiny model to make at ``path`` if ``tiny.make_if_missing`` and none is there."""
 
 
 @dataclass(kw_only=True)
@@ -76,7 +78,7 @@ class ReferenceSection(Placement):
 
 @dataclass(kw_only=True)
 class RewardSection(Placement):
-    fns: dict[str, float] = field(default_factory=lambda: {"toy": 1.0})
+    fns: dict[str, float] = field(default_factory=lambda: {"toy_partial": 1.0})
     """Reward functions (registry name or ``module:function``) and their weights."""
 
 
@@ -109,13 +111,15 @@ class TrainerSection(Placement):
 @dataclass(kw_only=True)
 class DataSection:
     source: str = "toy"
-    """``toy`` (the built-in arithmetic task) or ``jsonl`` (prompts read from ``path``)."""
+    """``toy`` (the built-in arithmetic task), ``jsonl`` (prompts read from ``path``) or
+    ``package.module:factory`` (your ``factory(seed=..., **options)`` yielding ``Prompt``s)."""
     path: str | None = None
     """JSONL file of prompts when ``source`` is ``jsonl``."""
     prompt_template: str = "{text}"
     """Format of the text sent to the policy; ``{text}`` is the prompt's text."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of the task or reader."""
+    """Extra keyword arguments of the task (e.g. ``min_digits``) or of ``read_jsonl_prompts``
+    (``question_key``, ``answer_key``)."""
 
 
 @dataclass(kw_only=True)
@@ -140,10 +144,9 @@ class WeightSyncSection:
 class LoggingSection:
     output_dir: str = "outputs/grpo"
     """Where ``metrics.jsonl``, the plot and TensorBoard events go."""
-    console_every: int = 0
-    """Print a metrics line every N steps (besides the progress bar); 0 never."""
-    tensorboard: bool = True
-    """Write TensorBoard events when ``tensorboard`` is installed."""
+    sinks: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Metric sinks: ``jsonl`` (``metrics.jsonl``), ``tensorboard`` (if installed), ``console``
+    (one log line per step)."""
     plot: bool = True
     """Write ``<output_dir>/reward_loss.png`` at the end."""
     progress_bar: bool = True
@@ -190,10 +193,12 @@ class GRPOConfig:
             raise ValueError(f"policy.temperature must be > 0 for RL sampling, got {self.policy.temperature}")
         if self.weight_sync.transport not in ("message", "file"):
             raise ValueError(f"weight_sync.transport must be 'message' or 'file', got {self.weight_sync.transport!r}")
-        if self.data.source not in ("toy", "jsonl"):
-            raise ValueError(f"data.source must be 'toy' or 'jsonl', got {self.data.source!r}")
+        if self.data.source not in ("toy", "jsonl") and ":" not in self.data.source:
+            raise ValueError(f"data.source must be 'toy', 'jsonl' or 'package.module:factory', got {self.data.source!r}")
         if self.data.source == "jsonl" and not self.data.path:
             raise ValueError("data.path is required when data.source is 'jsonl'")
+        if "jsonl" not in self.logging.sinks:
+            raise ValueError("logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source")
         if not self.reward.fns:
             raise ValueError("reward.fns needs at least one reward function")
 

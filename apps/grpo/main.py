@@ -217,7 +217,6 @@ class Rollouts:
         self.groups_added = 0
         self.room = asyncio.Condition()
         self.added = asyncio.Event()
-        self.timings = {"generate_s": 0.0, "score_s": 0.0}
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
 
@@ -246,13 +245,14 @@ class Rollouts:
             self.groups_added += 1
             self.added.set()
 
-    async def one_group(self) -> list[Any]:
+    async def one_group(self) -> Any:
         """Prompt -> completions -> rewards and reference logprobs -> scored episodes."""
         import torch
 
         from forge.actors import prompt_key
         from forge.losses import group_advantages
-        from forge.types import Episode
+        from forge.observability import record_metric
+        from forge.types import Episode, EpisodeBatch
 
         roles = self.roles
         prompt = await _call("dataset", roles.dataset.sample.call_one())
@@ -264,11 +264,11 @@ class Rollouts:
             _call("reward", roles.reward.score.route_many([(prompt, c.text) for c in completions])),
             _call("reference", roles.reference.logprobs.route_many([(c.prompt_ids, c.token_ids) for c in completions])),
         )
-        self.timings["generate_s"] += t1 - t0
-        self.timings["score_s"] += time.perf_counter() - t1
+        record_metric("rollout/generate_latency_s", t1 - t0)
+        record_metric("rollout/score_latency_s", time.perf_counter() - t1)
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32))
         group_id = f"{prompt.prompt_id}#{next(self._ids)}"
-        return [
+        return EpisodeBatch.pack([
             Episode(
                 group_id=group_id,
                 prompt_ids=c.prompt_ids,
@@ -280,7 +280,7 @@ class Rollouts:
                 policy_version=c.policy_version,
             )
             for c, r, a, ref in zip(completions, rewards, advantages.tolist(), ref_logprobs)
-        ]
+        ])
 
 
 async def _call(role: str, awaitable: Any) -> Any:
@@ -300,41 +300,40 @@ async def _call(role: str, awaitable: Any) -> Any:
 # ----------------------------------------------------------------------------- training
 async def train(cfg: Any, roles: Roles, rollouts: Rollouts, log: "RunLog") -> None:
     """The step loop: wait for a batch, one optimizer step, weight sync, log."""
+    from forge.types import EpisodeBatch
+
     version = 0
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
-        generate0, score0 = rollouts.timings["generate_s"], rollouts.timings["score_s"]
         groups = await wait_for_batch(cfg, roles, rollouts, version)
         t1 = time.perf_counter()
-        episodes = [e for g in groups for e in g]
-        stats = await _call("trainer", roles.trainer.train_step.call_one(episodes))
+        batch = EpisodeBatch.concat(groups)
+        stats = await _call("trainer", roles.trainer.train_step.call_one(batch))
         t2 = time.perf_counter()
         version = int(stats["policy_version"])
         await sync_weights(cfg, roles)
         t3 = time.perf_counter()
         if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
             await _call("trainer", roles.trainer.save_checkpoint.call_one())
-        rewards = [e.reward for e in episodes]
-        log.step(
+        await log.step(
             step,
             {
-                "reward_mean": sum(rewards) / len(rewards),
-                "reward_max": max(rewards),
+                "reward_mean": float(batch.rewards.mean()),
+                "reward_max": float(batch.rewards.max()),
                 "loss": stats["loss"],
                 "kl": stats["kl"],
                 "clip_fraction": stats.get("clip_fraction", 0.0),
                 "ratio_mean": stats.get("ratio_mean", 1.0),
                 "grad_norm": stats["grad_norm"],
                 "policy_version": version,
-                "policy_age_mean": sum(version - 1 - e.policy_version for e in episodes) / len(episodes),
-                "response_len_mean": sum(int(e.response_ids.numel()) for e in episodes) / len(episodes),
+                "policy_age_mean": float((version - 1 - batch.policy_versions).float().mean()),
+                "response_len_mean": float(batch.response_lens.float().mean()),
                 "step_time_s": t3 - t0,
                 "wait_s": t1 - t0,
                 "train_s": t2 - t1,
                 "sync_s": t3 - t2,
-                "rollout_generate_s": rollouts.timings["generate_s"] - generate0,
-                "rollout_score_s": rollouts.timings["score_s"] - score0,
             },
+            roles,
         )
 
 
@@ -342,14 +341,12 @@ async def wait_for_batch(cfg: Any, roles: Roles, rollouts: Rollouts, version: in
     """``prompts_per_step`` groups fresh enough for ``version``; waits for rollouts if needed."""
     while True:
         rollouts.added.clear()
-        before = (await _call("buffer", roles.buffer.stats.call_one())).evicted
-        groups = await _call("buffer", roles.buffer.sample.call_one(cfg.prompts_per_step, version))
-        evicted = (await _call("buffer", roles.buffer.stats.call_one())).evicted - before
-        if evicted:
-            await rollouts.taken(evicted)
-        if groups is not None:
-            await rollouts.taken(len(groups))
-            return groups
+        sample = await _call("buffer", roles.buffer.sample.call_one(cfg.prompts_per_step, version))
+        taken = sample.evicted + (len(sample.groups) if sample.groups is not None else 0)
+        if taken:
+            await rollouts.taken(taken)
+        if sample.groups is not None:
+            return sample.groups
         await rollouts.added.wait()
 
 
@@ -362,3 +359,195 @@ async def sync_weights(cfg: Any, roles: Roles) -> int:
         state_dict, version = await _call("trainer", roles.trainer.weights.call_one())
         await _call("policy", roles.policy.update_weights.fanout(state_dict, version))
     return version
+
+
+# ----------------------------------------------------------------------------- logging
+class RunLog:
+    """Per-step metrics: the roles' records and the step's own, reduced, to every sink."""
+
+    def __init__(self, cfg: Any, terminal: Any) -> None:
+        from forge.observability import MetricAggregator, make_sinks
+
+        self.cfg = cfg
+        self.out = Path(cfg.logging.output_dir)
+        self.aggregator = MetricAggregator()
+        self.sinks = make_sinks(list(cfg.logging.sinks), self.out)
+        if "console" in cfg.logging.sinks:
+            logging.getLogger("forge.metrics").setLevel(logging.INFO)
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.rows: list[dict[str, float]] = []
+        self.bar = None
+        if cfg.logging.progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.steps, desc="grpo", unit="step", file=terminal, dynamic_ncols=True)
+
+    async def step(self, step: int, metrics: dict[str, float], roles: Roles) -> None:
+        """Log one step: ``metrics`` plus what the services recorded since the last step."""
+        from forge.observability import drain_local_metrics
+
+        drains = [svc.drain_metrics.fanout() for svc in roles.services().values()]
+        for records in await asyncio.gather(*drains):
+            for replica_records in records:
+                self.aggregator.extend(replica_records)
+        self.aggregator.extend(drain_local_metrics())
+        for name, value in metrics.items():
+            self.aggregator.record(name, value, "last")
+        row = self.aggregator.flush(step)
+        self.rows.append(row)
+        for sink in self.sinks:
+            sink.log(step, row)
+        if self.bar is not None:
+            self.bar.set_postfix(
+                reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.4f}", step_s=f"{row['step_time_s']:.2f}", refresh=False
+            )
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    def plot(self) -> Path | None:
+        if not self.rows or not self.cfg.logging.plot:
+            return None
+        from forge.observability import plot_run
+
+        return plot_run(self.metrics_path, self.out / "reward_loss.png", keys=("reward_mean", "loss", "kl"))
+
+    def summary(self, elapsed_s: float, startup_s: float) -> str:
+        rewards = [r["reward_mean"] for r in self.rows]
+        if not rewards:
+            return f"grpo: no step completed in {elapsed_s:.1f}s"
+        k = min(10, len(rewards))
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        return (
+            f"grpo: {len(rewards)} steps in {elapsed_s:.1f}s (startup {startup_s:.1f}s); "
+            f"reward first-{k} {first:.3f} -> last-{k} {last:.3f}; final loss {self.rows[-1]['loss']:.4f}; "
+            f"metrics {self.metrics_path}"
+        )
+
+
+# ----------------------------------------------------------------------------- the run
+class _FailureWatch:
+    """Turns a role's process death (Monarch's fault hook) into a prompt, named failure."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.failed = asyncio.Event()
+        self.message = ""
+
+    def __call__(self, failure: Any) -> bool:
+        mesh = str(getattr(failure, "mesh_name", "?"))
+        role = next((r for r in ("policy", "reference", "reward", "trainer") if mesh.startswith(r)), mesh)
+
+        def mark() -> None:
+            if not self.failed.is_set():
+                self.message = f"role '{role}' failed: its process died (mesh {mesh})"
+                self.failed.set()
+
+        self.loop.call_soon_threadsafe(mark)
+        return False  # let the owning service see it too
+
+
+async def run(cfg: Any, terminal: Any) -> str:
+    """Start the roles, train, and stop everything; returns the summary line."""
+    from forge.controller.provisioner import add_fault_listener, remove_fault_listener
+
+    t_start = time.perf_counter()
+    model_path = prepare_model(cfg)
+    watch = _FailureWatch(asyncio.get_running_loop())
+    add_fault_listener(watch)
+    roles = Roles()
+    log: RunLog | None = None
+    rollouts: Rollouts | None = None
+    try:
+        roles = await start_roles(cfg, model_path)
+        startup_s = time.perf_counter() - t_start
+        log = RunLog(cfg, terminal)
+        rollouts = Rollouts(roles, cfg.group_size, cfg.rollout_concurrency, cfg.max_buffered_groups)
+        workers = rollouts.start()
+        trainer_task = asyncio.create_task(train(cfg, roles, rollouts, log), name="train")
+        watcher = asyncio.create_task(watch.failed.wait(), name="failure-watch")
+        done, _ = await asyncio.wait({trainer_task, watcher, *workers}, return_when=asyncio.FIRST_COMPLETED)
+        if trainer_task in done:
+            trainer_task.result()  # raises the training loop's error, if any
+        elif watcher in done:
+            raise RuntimeError(watch.message)
+        else:
+            for task in done:
+                task.result()  # a rollout worker never returns; it raised
+        for task in (trainer_task, watcher):
+            task.cancel()
+        log.close()
+        plot = log.plot()
+        elapsed = time.perf_counter() - t_start
+        return log.summary(elapsed, startup_s) + (f"; plot {plot}" if plot else "")
+    except Exception:
+        if watch.failed.is_set():  # the process death is the root cause; say so first
+            raise RuntimeError(watch.message)
+        raise
+    finally:
+        if rollouts is not None:
+            await rollouts.stop()
+        if log is not None:
+            log.close()
+        await stop_roles(roles)
+        remove_fault_listener(watch)
+
+
+def prepare_model(cfg: Any) -> str:
+    """The checkpoint folder; makes the tiny model there first if the config asks for it."""
+    path = Path(cfg.model.path)
+    if cfg.model.tiny.make_if_missing:
+        from forge.models import make_tiny_model
+
+        t = cfg.model.tiny
+        make_tiny_model(path, arch=t.arch, hidden_size=t.hidden_size, num_layers=t.num_layers, seed=t.seed, init_std=t.init_std)
+    elif not path.is_dir():
+        raise FileNotFoundError(f"model.path {str(path)!r} is not a folder; point it at a Hugging Face checkpoint")
+    return str(path.resolve())
+
+
+def parse_args(argv: list[str] | None) -> tuple[str, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m apps.grpo.main", description="GRPO training on Monarch actors (see the module docstring)."
+    )
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/grpo_tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.lr=3e-4 group_size=8")
+    args = parser.parse_args(argv)
+    return args.config, args.overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: returns the process exit code."""
+    quiet_monarch()
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the progress bar bypasses the log filter
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    config_path, overrides = parse_args(argv)
+    from forge.config import ConfigError, load_config
+
+    from apps.grpo.config import GRPOConfig
+
+    try:
+        cfg = load_config(GRPOConfig, config_path, overrides)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"grpo: bad config: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        summary = asyncio.run(run(cfg, terminal))
+    except KeyboardInterrupt:
+        print("grpo: interrupted; every role was stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (RoleFailed, ForgeError, RuntimeError, FileNotFoundError, ValueError) as exc:
+        print(f"grpo: FAILED: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(summary, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

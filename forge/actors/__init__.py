@@ -7,7 +7,7 @@ other: the controller (``apps/grpo/main.py``) wires them together through the se
 from forge.actors.dataset import Dataset, DatasetConfig
 from forge.actors.policy import Policy, PolicyConfig, PromptAffinity, PromptKey, prompt_key
 from forge.actors.reference_model import ReferenceConfig, ReferenceModel, length_bucket
-from forge.actors.replay_buffer import BufferStats, GroupBuffer, ReplayBuffer, group_version
+from forge.actors.replay_buffer import BufferStats, GroupBuffer, ReplayBuffer, Sample, group_version
 from forge.actors.reward import RewardActor, resolve_reward
 from forge.actors.trainer import Trainer, TrainerConfig
 
@@ -24,6 +24,7 @@ __all__ = [
     "ReferenceModel",
     "ReplayBuffer",
     "RewardActor",
+    "Sample",
     "Trainer",
     "TrainerConfig",
     "group_version",

@@ -1,14 +1,16 @@
 """``Dataset``: hands out prompts, with their answers, one at a time.
 
-Two sources: ``toy`` (``forge.data.ToyTask``, an endless stream of arithmetic-style prompts a
-tiny model can learn on a CPU) and ``jsonl`` (``forge.data.read_jsonl_prompts``, e.g. GSM8K,
-reshuffled every epoch). ``prompt_template`` formats the text the policy sees (``{text}`` is the
+Sources: ``toy`` (``forge.data.ToyTask``, an endless stream of arithmetic-style prompts a tiny
+model can learn on a CPU), ``jsonl`` (``forge.data.read_jsonl_prompts``, e.g. GSM8K, reshuffled
+every epoch), or ``"package.module:factory"``, your own ``factory(seed=..., **options)``
+returning an iterable of ``Prompt``. ``prompt_template`` formats the text the policy sees (``{text}`` is the
 prompt's own text); the answer is left untouched for the reward functions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,7 +25,7 @@ __all__ = ["Dataset", "DatasetConfig", "prompt_stream"]
 @dataclass(kw_only=True)
 class DatasetConfig:
     source: str = "toy"
-    """``toy`` or ``jsonl``."""
+    """``toy``, ``jsonl`` or ``"package.module:factory"``."""
     path: str | None = None
     """JSONL file (``jsonl`` source)."""
     prompt_template: str = "{text}"
@@ -44,8 +46,14 @@ def prompt_stream(config: DatasetConfig) -> Iterator[Prompt]:
         if not config.path:
             raise ValueError("DatasetConfig.path is required for source 'jsonl'")
         source = _epochs(config.path, config.seed, config.options)
+    elif ":" in config.source:
+        module_name, _, attr = config.source.partition(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+        source = iter(factory(seed=config.seed, **config.options))
     else:
-        raise ValueError(f"DatasetConfig.source must be 'toy' or 'jsonl', got {config.source!r}")
+        raise ValueError(
+            f"DatasetConfig.source must be 'toy', 'jsonl' or 'package.module:factory', got {config.source!r}"
+        )
     if config.prompt_template == "{text}":
         return source
     return (dataclasses.replace(p, text=config.prompt_template.format(text=p.text)) for p in source)

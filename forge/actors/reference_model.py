@@ -6,9 +6,10 @@ Callers send one ``(prompt_ids, response_ids)`` pair each::
 
 and get back the per-token logprobs of the response (float32 ``[T]``). The service prebatches
 pairs by *length bucket* (the ``Batching`` key), so a batch holds sequences of similar length
-and its right padding stays small; one forward pass scores the whole batch. The padding
-fraction of each batch (pad tokens / all tokens in the padded batch) is kept and reported by
-``stats()``.
+and its right padding stays small; one forward pass scores the whole batch. Each batch records
+``reference/padding_fraction`` (pad tokens / all tokens in the padded batch) and
+``reference/batch_size`` with ``forge.observability.record_metric``; the controller collects
+them once a step with ``drain_metrics()``.
 
 The logprobs use the sampler's temperature (``log_softmax(logits / T)``), like the trainer's
 and vLLM's processed logprobs, so the k3 KL compares like with like.
@@ -24,8 +25,9 @@ import torch
 
 from forge.controller import Batching, ForgeActor, endpoint
 from forge.models import sequence_logprobs
+from forge.observability import drain_local_metrics, record_metric
 
-__all__ = ["ReferenceConfig", "ReferenceModel", "length_bucket"]
+__all__ = ["PackedPairs", "ReferenceConfig", "ReferenceModel", "length_bucket"]
 
 # Lengths up to this share one bucket; above it each bucket spans ~25% more tokens, so a batch
 # pads each sequence by less than a quarter of its length.
@@ -39,6 +41,30 @@ def length_bucket(pair: tuple[torch.Tensor, torch.Tensor]) -> int:
     if n <= _BUCKET_BASE:
         return 0
     return 1 + int(math.log(n / _BUCKET_BASE, _BUCKET_GROWTH))
+
+
+@dataclass
+class PackedPairs:
+    """A batch of (prompt_ids, response_ids) pairs in flat tensors (four tensors, not 2 per
+    pair: Monarch serialises each tensor separately). The service packs singletons into it
+    (``enbatch``) and splits the flat logprobs back per caller (``debatch``)."""
+
+    prompt_ids: torch.Tensor  # int64 [sum P]
+    prompt_lens: list[int]
+    response_ids: torch.Tensor  # int64 [sum T]
+    response_lens: list[int]
+
+    @classmethod
+    def pack(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> PackedPairs:
+        return cls(
+            prompt_ids=torch.cat([p.long() for p, _ in pairs]),
+            prompt_lens=[int(p.numel()) for p, _ in pairs],
+            response_ids=torch.cat([r.long() for _, r in pairs]),
+            response_lens=[int(r.numel()) for _, r in pairs],
+        )
+
+    def unpack(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return list(torch.split(self.prompt_ids, self.prompt_lens)), list(torch.split(self.response_ids, self.response_lens))
 
 
 @dataclass(kw_only=True)
@@ -62,7 +88,6 @@ class ReferenceModel(ForgeActor):
         self.config = config
         self.model: torch.nn.Module | None = None
         self.device = torch.device("cpu")
-        self.stats_ = {"batches": 0, "sequences": 0, "real_tokens": 0, "padded_tokens": 0, "forward_s": 0.0}
 
     @endpoint
     async def setup(self) -> None:
@@ -74,26 +99,38 @@ class ReferenceModel(ForgeActor):
         model = AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)
 
-    @endpoint(batch=Batching(max_size=128, max_wait_s=0.005, key=length_bucket))
-    async def logprobs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """Per-token logprobs of each response given its prompt, one forward pass per batch."""
+    @staticmethod
+    def pack_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> PackedPairs:
+        """``logprobs``' enbatch: the callers' pairs -> one ``PackedPairs``."""
+        return PackedPairs.pack(pairs)
+
+    @staticmethod
+    def split_logprobs(result: tuple[torch.Tensor, list[int]], n: int) -> list[torch.Tensor]:
+        """``logprobs``' debatch: flat logprobs -> one tensor per caller (copies, not views)."""
+        flat, lengths = result
+        if len(lengths) != n:
+            raise ValueError(f"ReferenceModel.logprobs returned {len(lengths)} results for {n} pairs")
+        return [t.clone() for t in torch.split(flat, lengths)]
+
+    @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, key=length_bucket, enbatch="pack_pairs", debatch="split_logprobs"))
+    async def logprobs(self, pairs: PackedPairs | list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+        """Per-token logprobs of each response given its prompt, one forward pass per batch.
+
+        Returns them flat with the response lengths; through the service each caller gets its
+        own ``[T]`` tensor.
+        """
         t0 = time.perf_counter()
-        prompts = [p for p, _ in pairs]
-        responses = [r for _, r in pairs]
+        if not isinstance(pairs, PackedPairs):
+            pairs = PackedPairs.pack(pairs)
+        prompts, responses = pairs.unpack()
         out = sequence_logprobs(self.model, prompts, responses, self.config.temperature, self.config.pad_id)
-        lengths = [int(p.numel()) + int(r.numel()) for p, r in pairs]
-        s = self.stats_
-        s["forward_s"] += time.perf_counter() - t0
-        s["batches"] += 1
-        s["sequences"] += len(pairs)
-        s["real_tokens"] += sum(lengths)
-        s["padded_tokens"] += max(lengths) * len(lengths)
-        return out
+        lengths = [p + r for p, r in zip(pairs.prompt_lens, pairs.response_lens)]
+        record_metric("reference/padding_fraction", 1.0 - sum(lengths) / (max(lengths) * len(lengths)))
+        record_metric("reference/batch_size", len(lengths))
+        record_metric("reference/forward_s", time.perf_counter() - t0, "sum")
+        return torch.cat(out), pairs.response_lens
 
     @endpoint
-    async def stats(self) -> dict[str, float]:
-        """Batches, sequences, forward seconds and ``padding_fraction`` since start."""
-        s = dict(self.stats_)
-        s["padding_fraction"] = 1.0 - s["real_tokens"] / s["padded_tokens"] if s["padded_tokens"] else 0.0
-        s["mean_batch_size"] = s["sequences"] / s["batches"] if s["batches"] else 0.0
-        return s
+    async def drain_metrics(self) -> list[tuple[str, float, str]]:
+        """Metric records made here since the last drain (``forge.observability``)."""
+        return drain_local_metrics()

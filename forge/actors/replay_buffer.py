@@ -7,8 +7,9 @@ policy a few versions behind the trainer; ``max_policy_age`` bounds how stale it
 behaviour-logprob importance ratio.
 
 Sampling takes groups out (each group trains once), oldest first, so data is used in the order
-it was generated. ``GroupBuffer`` holds the logic and is tested directly; ``ReplayBuffer`` is
-the actor around it.
+it was generated. A group is an ``EpisodeBatch`` (its episodes packed into flat tensors, cheap
+to send). ``GroupBuffer`` holds the logic and is tested directly; ``ReplayBuffer`` is the actor
+around it.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import collections
 from dataclasses import dataclass
 
 from forge.controller import ForgeActor, endpoint
-from forge.types import Episode
+from forge.types import EpisodeBatch
 
-__all__ = ["BufferStats", "GroupBuffer", "ReplayBuffer", "group_version"]
+__all__ = ["BufferStats", "GroupBuffer", "ReplayBuffer", "Sample", "group_version"]
 
 
-def group_version(group: list[Episode]) -> int:
+def group_version(group: EpisodeBatch) -> int:
     """The policy version of a group: its oldest episode's."""
-    return min(e.policy_version for e in group)
+    return group.policy_version
 
 
 @dataclass
@@ -35,6 +36,15 @@ class BufferStats:
     sampled: int = 0
     evicted: int = 0
     size: int = 0
+
+
+@dataclass
+class Sample:
+    """What ``ReplayBuffer.sample`` returns: the batch (None if too few groups) and the number of
+    stale groups the call evicted, so a caller that counts outstanding groups can keep count."""
+
+    groups: list[EpisodeBatch] | None
+    evicted: int
 
 
 class GroupBuffer:
@@ -53,17 +63,19 @@ class GroupBuffer:
             raise ValueError(f"capacity must be an integer >= 1 or None, got {capacity!r}")
         self.max_policy_age = max_policy_age
         self.capacity = capacity
-        self._groups: collections.deque[list[Episode]] = collections.deque()
+        self._groups: collections.deque[EpisodeBatch] = collections.deque()
         self.stats = BufferStats()
 
     def __len__(self) -> int:
         return len(self._groups)
 
-    def add(self, group: list[Episode]) -> None:
+    def add(self, group: EpisodeBatch) -> None:
         """Append one group (all its episodes share a ``group_id``)."""
-        if not group:
-            raise ValueError("a group needs at least one episode, got an empty list")
-        ids = {e.group_id for e in group}
+        if not isinstance(group, EpisodeBatch):
+            raise TypeError(f"a group must be an EpisodeBatch, got {type(group).__name__}")
+        if len(group) == 0:
+            raise ValueError("a group needs at least one episode, got an empty EpisodeBatch")
+        ids = set(group.group_ids)
         if len(ids) != 1:
             raise ValueError(f"a group's episodes must share one group_id, got {sorted(ids)}")
         if self.capacity is not None and len(self._groups) >= self.capacity:
@@ -81,7 +93,7 @@ class GroupBuffer:
         self.stats.evicted += dropped
         return dropped
 
-    def sample(self, num_groups: int, policy_version: int) -> list[list[Episode]] | None:
+    def sample(self, num_groups: int, policy_version: int) -> list[EpisodeBatch] | None:
         """Evict stale groups, then take the ``num_groups`` oldest; None if there are fewer."""
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
@@ -103,15 +115,18 @@ class ReplayBuffer(ForgeActor):
         self.buffer = GroupBuffer(max_policy_age, capacity)
 
     @endpoint
-    async def add(self, group: list[Episode]) -> int:
+    async def add(self, group: EpisodeBatch) -> int:
         """Store one group; returns the number of groups held."""
         self.buffer.add(group)
         return len(self.buffer)
 
     @endpoint
-    async def sample(self, num_groups: int, policy_version: int) -> list[list[Episode]] | None:
-        """``num_groups`` groups fresh enough for ``policy_version``, or None if too few are held."""
-        return self.buffer.sample(num_groups, policy_version)
+    async def sample(self, num_groups: int, policy_version: int) -> Sample:
+        """``num_groups`` groups fresh enough for ``policy_version`` (None if too few are held),
+        and how many stale groups were evicted on the way."""
+        before = self.buffer.stats.evicted
+        groups = self.buffer.sample(num_groups, policy_version)
+        return Sample(groups, self.buffer.stats.evicted - before)
 
     @endpoint
     async def stats(self) -> BufferStats:

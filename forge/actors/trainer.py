@@ -3,7 +3,7 @@
 ::
 
     trainer = await Trainer.options(procs=1).as_actor(TrainerConfig(model_path=...))
-    metrics = await trainer.train_step.call_one(episodes)     # one optimizer step
+    metrics = await trainer.train_step.call_one(batch)        # EpisodeBatch: one optimizer step
     state_dict, version = await trainer.weights.call_one()   # tensors, never lists
     await policy.update_weights.fanout(state_dict, version)
 
@@ -26,7 +26,7 @@ import torch
 from forge.controller import ForgeActor, endpoint
 from forge.losses import grpo_loss
 from forge.models import pack_right_padded, padded_token_logprobs
-from forge.types import Episode
+from forge.types import Episode, EpisodeBatch
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -83,12 +83,14 @@ class Trainer(ForgeActor):
     # -- training state
     version: int
     _published: list[str]
+    _publish_count: int
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
         self.version = 0
         self.device = torch.device("cpu")
         self._published = []
+        self._publish_count = 0
 
     @endpoint
     async def setup(self) -> None:
@@ -107,8 +109,9 @@ class Trainer(ForgeActor):
         )
 
     @endpoint
-    async def train_step(self, episodes: list[Episode]) -> dict[str, float]:
-        """One optimizer step on ``episodes``; returns loss statistics and the new version."""
+    async def train_step(self, batch: EpisodeBatch | list[Episode]) -> dict[str, float]:
+        """One optimizer step on the batch; returns loss statistics and the new version."""
+        episodes = batch.unpack() if isinstance(batch, EpisodeBatch) else list(batch)
         if not episodes:
             raise ValueError("train_step needs at least one episode, got none")
         cfg = self.config
@@ -186,7 +189,8 @@ class Trainer(ForgeActor):
         from safetensors.torch import save_file
 
         Path(folder).mkdir(parents=True, exist_ok=True)
-        path = os.path.join(folder, f"weights-{os.getpid()}-v{self.version}.safetensors")
+        self._publish_count += 1
+        path = os.path.join(folder, f"weights-{os.getpid()}-{self._publish_count}-v{self.version}.safetensors")
         tmp = path + ".tmp"
         save_file({k: v.contiguous() for k, v in self._state_dict().items()}, tmp)
         os.replace(tmp, path)

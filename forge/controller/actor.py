@@ -48,6 +48,12 @@ class ForgeActor(Actor):
     async def setup(self) -> None:
         """Async initialisation, run once on every rank before any traffic. Override it."""
 
+    @endpoint(concurrent=True)
+    async def _forge_health(self) -> bool:
+        """Liveness probe of the service's health loop (concurrent: never queues behind a
+        request that is waiting on I/O)."""
+        return True
+
     @classmethod
     def options(cls: type[A], **options: Any) -> "ActorLauncher[A]":
         """Configure how the actor is started; see ``ActorOptions`` for every option."""

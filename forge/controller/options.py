@@ -55,6 +55,15 @@ class ActorOptions:
     queue_timeout_s: float = 30.0
     """Longest a caller waits for admission (or for a replica to recover) before
     ``Overloaded`` (or ``NoHealthyReplica``)."""
+    health_interval_s: float | None = 5.0
+    """How often an idle or stalled replica is probed. Process death is noticed by Monarch
+    within ~1 s anyway; probes catch what Monarch cannot see (a host whose worker died).
+    None: no probes."""
+    health_timeout_s: float = 120.0
+    """A replica that answers no probe and finishes no request for this long is failed.
+    Keep it above the longest endpoint call: an actor runs one message at a time."""
+    host_pool: Any = None
+    """A ``forge.controller.hosts.HostPool`` to place replicas on other hosts; None: this host."""
     name: str | None = None
     """Mesh name prefix (default: the class name, lower-case)."""
     env: dict[str, str] = field(default_factory=dict)
@@ -73,6 +82,10 @@ class ActorOptions:
             _check_int("max_in_flight_per_replica", self.max_in_flight_per_replica, 1)
         _check_timeout("restart_backoff_s", self.restart_backoff_s)
         _check_timeout("queue_timeout_s", self.queue_timeout_s)
+        _check_timeout("health_interval_s", self.health_interval_s)
+        _check_timeout("health_timeout_s", self.health_timeout_s)
+        if self.host_pool is not None and not hasattr(self.host_pool, "pick"):
+            raise ValueError(f"options(host_pool=...) must be a forge HostPool, got {self.host_pool!r}")
         if not isinstance(self.with_gpus, bool):
             raise ValueError(f"options(with_gpus=...) must be True or False, got {self.with_gpus!r}")
         _check_timeout("call_timeout_s", self.call_timeout_s)

@@ -109,10 +109,13 @@ def remove_fault_listener(listener: Callable[[MeshFailure], bool]) -> None:
 
 
 # ------------------------------------------------------------------ spawning
-def spawn_proc_mesh(name: str, procs: int, gpus: Sequence[str] | None = None, env: dict[str, str] | None = None) -> ProcMesh:
+def spawn_proc_mesh(
+    name: str, procs: int, gpus: Sequence[str] | None = None, env: dict[str, str] | None = None, host: Any = None
+) -> ProcMesh:
     """Start ``procs`` processes on this host for one replica.
 
     With ``gpus`` (one per process), rank r sees only ``gpus[r]`` as ``CUDA_VISIBLE_DEVICES``.
+    ``host`` is a Monarch host mesh of one host (default: this host).
     """
     install_fault_hook()
     base_env = child_env(env)
@@ -125,4 +128,5 @@ def spawn_proc_mesh(name: str, procs: int, gpus: Sequence[str] | None = None, en
             rank_env["CUDA_VISIBLE_DEVICES"] = gpus[point.rank]
         return default_bootstrap_cmd().with_env(rank_env)
 
-    return this_host().spawn_procs(per_host={"procs": procs}, name=name, bootstrap_command=command_for)
+    host = this_host() if host is None else host
+    return host.spawn_procs(per_host={"procs": procs}, name=name, bootstrap_command=command_for)

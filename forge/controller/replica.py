@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - layout of a future Monarch
     SupervisionError = RuntimeError  # type: ignore[misc,assignment]
 
 logger = logging.getLogger("forge.replica")
+_ABORT = "forge: replica failed"
 
 
 class ReplicaState(str, enum.Enum):
@@ -120,6 +121,9 @@ class Replica:
         self.restarts = 0
         self.failed_at: float | None = None
         self.on_failure: Callable[[Replica], None] | None = None  # set by the service
+        self.host_index: int | None = None  # index in the service's HostPool, if any
+        self.last_progress = time.monotonic()  # last answer of any kind from the replica
+        self._calls: set[asyncio.Task] = set()  # tasks awaiting this replica's answers
         self._in_flight = 0
 
     # ----------------------------------------------------------- identity
@@ -148,7 +152,11 @@ class Replica:
         opts = self.spec.options
         t0 = time.monotonic()
         try:
-            self.proc_mesh = spawn_proc_mesh(self.mesh_name, opts.procs, self.spec.gpus, {**opts.env, **self.spec.env})
+            host = None
+            if opts.host_pool is not None:
+                self.host_index = opts.host_pool.pick(avoid=self.host_index if self.generation else None)
+                host = opts.host_pool.host(self.host_index)
+            self.proc_mesh = spawn_proc_mesh(self.mesh_name, opts.procs, self.spec.gpus, {**opts.env, **self.spec.env}, host)
             self.actor_mesh = self.proc_mesh.spawn(self.mesh_name, self.spec.actor_cls, *self.spec.args, **self.spec.kwargs)
             await await_with_timeout(self.actor_mesh.setup.call(), opts.setup_timeout_s)
         except BaseException as exc:
@@ -160,7 +168,7 @@ class Replica:
             name: Batcher(spec, self._batch_executor(name), name=f"{self.spec.actor_cls.__name__}.{name}@r{self.replica_id}")
             for name, spec in self.spec.batching.items()
         }
-        self.started_at = time.monotonic()
+        self.started_at = self.last_progress = time.monotonic()
         self.state = ReplicaState.HEALTHY if take_traffic else ReplicaState.RECOVERING
         logger.debug("replica %s ready in %.2fs", self.mesh_name, self.started_at - t0)
 
@@ -175,6 +183,8 @@ class Replica:
         error = ReplicaFailed(f"replica {self.replica_id} of {self.spec.service_name} failed: {reason}")
         for batcher in self.batchers.values():
             asyncio.get_running_loop().create_task(batcher.close(error))
+        for task in list(self._calls):  # answers that will never come: stop waiting for them
+            task.cancel(msg=_ABORT)
         if self.on_failure is not None:
             self.on_failure(self)
 
@@ -185,14 +195,15 @@ class Replica:
         error = error or ServiceStopped(f"{self.spec.service_name} was shut down")
         await asyncio.gather(*(b.close(error) for b in self.batchers.values()), return_exceptions=True)
         if previous is not ReplicaState.STOPPED:
-            await self._stop_mesh()
+            # A failed replica's processes may sit on a dead host: don't wait long for them.
+            await self._stop_mesh(5.0 if previous is ReplicaState.FAILED else 30.0)
 
-    async def _stop_mesh(self) -> None:
+    async def _stop_mesh(self, timeout: float = 30.0) -> None:
         mesh, self.proc_mesh, self.actor_mesh = self.proc_mesh, None, None
         if mesh is None:
             return
         try:
-            await await_with_timeout(mesh.stop(), 30.0)
+            await await_with_timeout(mesh.stop(), timeout)
         except Exception as exc:  # a failed or hung mesh: its processes are reaped at exit
             logger.debug("stopping %s: %r", self.mesh_name, exc)
 
@@ -291,13 +302,37 @@ class Replica:
             raise ReplicaFailed(f"{where}: replica is {self.state.value}")
         ep = getattr(self.actor_mesh, endpoint)
         self._counters(endpoint).messages += 1
+        task = asyncio.current_task()
+        self._calls.add(task)  # type: ignore[arg-type]
         try:
             if self.spec.options.procs == 1:
-                return await await_with_timeout(ep.call_one(*args, **kwargs), timeout)
-            values = await await_with_timeout(ep.call(*args, **kwargs), timeout)
-            return next(iter(values.values()))  # rank 0's result
+                result = await await_with_timeout(ep.call_one(*args, **kwargs), timeout)
+            else:
+                values = await await_with_timeout(ep.call(*args, **kwargs), timeout)
+                result = next(iter(values.values()))  # rank 0's result
+            self.last_progress = time.monotonic()
+            return result
+        except asyncio.CancelledError as exc:
+            if exc.args == (_ABORT,) and self.state is ReplicaState.FAILED:
+                if hasattr(task, "uncancel"):
+                    task.uncancel()  # type: ignore[union-attr]
+                raise ReplicaFailed(f"{where}: the replica failed while this request was in flight: {self.failure}") from None
+            raise
         except BaseException as exc:
+            if isinstance(exc, ActorError):  # the replica answered, with an error
+                self.last_progress = time.monotonic()
             raise self._failed_call(exc, where) from exc
+        finally:
+            self._calls.discard(task)  # type: ignore[arg-type]
+
+    async def probe(self, timeout: float) -> bool:
+        """Whether the replica answers a health probe within ``timeout`` seconds."""
+        try:
+            await await_with_timeout(self.actor_mesh._forge_health.call(), timeout)
+        except Exception:
+            return False
+        self.last_progress = time.monotonic()
+        return True
 
     def _failed_call(self, exc: BaseException, where: str) -> BaseException:
         if isinstance(exc, asyncio.CancelledError):

@@ -82,6 +82,7 @@ class Service:
         self._context = contextvars.copy_context()
         self._resync: Callable[[Any], Awaitable[None]] | None = None
         self._recoveries: dict[int, asyncio.Task] = {}
+        self._health_task: asyncio.Task | None = None
         self._capacity_changed: asyncio.Condition | None = None
         self._waiting = 0
         self.recovery_log: list[dict[str, float]] = []
@@ -101,6 +102,8 @@ class Service:
         if errors:
             await self.shutdown()
             raise errors[0]
+        if self.options.health_interval_s is not None:
+            self._health_task = self._context.copy().run(asyncio.get_running_loop().create_task, self._health_loop())
         logger.info("service %s: %d replica(s) of %s ready", self.name, len(self.replicas), self.actor_cls.__name__)
 
     async def shutdown(self) -> None:
@@ -109,9 +112,10 @@ class Service:
             return
         self._stopped = True
         error = ServiceStopped(f"service {self.name} was shut down")
-        for task in self._recoveries.values():
+        background = [*self._recoveries.values(), *([self._health_task] if self._health_task else [])]
+        for task in background:
             task.cancel()
-        await asyncio.gather(*self._recoveries.values(), return_exceptions=True)
+        await asyncio.gather(*background, return_exceptions=True)
         await asyncio.gather(*(r.stop(error) for r in self.replicas), return_exceptions=True)
         remove_fault_listener(self._fault_listener)
         await self._notify_capacity()
@@ -172,6 +176,24 @@ class Service:
             logger.info("replica %s is back after %.1fs", replica.mesh_name, time.monotonic() - failed_at)
             await self._notify_capacity()
             return
+
+    async def _health_loop(self) -> None:
+        """Fail replicas that neither answer probes nor finish requests for health_timeout_s.
+
+        Monarch reports a dead *process* by itself; this catches the silent cases, such as a
+        host whose worker died and took the replica's process out of Monarch's sight.
+        """
+        interval, limit = self.options.health_interval_s, self.options.health_timeout_s
+        while not self._stopped:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            due = [r for r in self.replicas if r.state is ReplicaState.HEALTHY and now - r.last_progress >= interval]
+            answers = await asyncio.gather(*(r.probe(limit) for r in due))
+            for replica, alive in zip(due, answers):
+                if not alive and replica.state is ReplicaState.HEALTHY and time.monotonic() - replica.last_progress >= limit:
+                    if self.options.host_pool is not None and replica.host_index is not None:
+                        self.options.host_pool.mark_dead(replica.host_index)
+                    replica.mark_failed(f"no answer for {limit:.0f}s")
 
     async def _notify_capacity(self) -> None:
         if self._capacity_changed is not None:

@@ -98,7 +98,8 @@ def grpo_loss(
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
-    for name, t in (("behaviour_logprobs", behaviour_logprobs), ("ref_logprobs", ref_logprobs), ("mask", mask)):
+    same_shape = {"behaviour_logprobs": behaviour_logprobs, "ref_logprobs": ref_logprobs, "mask": mask}
+    for name, t in same_shape.items():
         if t.shape != logprobs.shape:
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)}, expected {tuple(logprobs.shape)} like logprobs"
@@ -112,10 +113,15 @@ def grpo_loss(
         raise ValueError(f"clip_eps ({clip_eps}) and clip_eps_high ({clip_eps_high}) must be >= 0")
     clip_high = clip_eps if clip_eps_high is None else clip_eps_high
 
-    mask = mask.to(logprobs.dtype)  # [B, T]
+    valid = mask.bool()  # [B, T]
+    mask = valid.to(logprobs.dtype)  # [B, T]
     adv = advantages.to(logprobs.dtype).unsqueeze(1)  # [B, 1]
-    behaviour_logprobs = behaviour_logprobs.detach()
-    ref_logprobs = ref_logprobs.detach()
+    # Padding may hold anything (-inf, NaN). Zero it in the inputs, not only in the output:
+    # a NaN times a zero mask is still NaN, and so is a zero gradient through exp(inf).
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    logprobs = torch.where(valid, logprobs, zero)
+    behaviour_logprobs = torch.where(valid, behaviour_logprobs.detach(), zero)
+    ref_logprobs = torch.where(valid, ref_logprobs.detach(), zero)
 
     ratio = torch.exp(logprobs - behaviour_logprobs)  # [B, T]
     unclipped = ratio * adv  # [B, T]

@@ -1,0 +1,242 @@
+"""Where a GRPO step's time goes, and what the service layer costs, with the app's own roles.
+
+    python benchmarks/grpo_step.py --config configs/grpo_tiny.yaml --out grpo_step.json
+    python benchmarks/grpo_step.py --config configs/grpo_tiny.yaml --steps 8 policy.max_tokens=32
+
+It starts the roles exactly as ``apps/grpo/main.py`` does, then measures, one after another
+(nothing overlaps, so each phase's time is its own):
+
+- ``share_*``: the share of a step's time spent in generation (one ``generate.route`` per
+  prompt, prebatched by the policy service), reward, reference, training and weight sync, over
+  ``--steps`` synchronous steps. In the app, rollouts overlap training; this shows the costs.
+- ``rollout_vs_bare_vllm_tokens_per_s``: generated tokens/s through the policy service (every
+  prompt its own ``route`` call) / the same prompts, ``n``, ``max_tokens`` and temperature in
+  one call of a bare ``VllmEngine`` in a plain process of its own (no Monarch), at the same
+  weights (goal >= 0.9). Both run on version-0 weights, in alternating rounds, before any
+  training step.
+- ``weight_sync_vs_memcpy``: state-dict bytes/s from the trainer into the policy (the app's
+  ``sync_weights``: fetch from the trainer, load into every replica) / bytes/s of an
+  in-process copy of the same state dict (``tensor.clone()``) (goal >= 0.5). Both transports
+  (``message`` and ``file``) are measured; the figure is the configured one's.
+
+Prints a table and writes everything as JSON with ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import forge.controller  # noqa: F401  (before monarch)
+from forge.controller import quiet_monarch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from apps.grpo.main import Roles, prepare_model, start_roles, stop_roles, sync_weights  # noqa: E402
+
+PHASES = ("generation", "reward", "reference", "training", "weight_sync")
+
+
+async def _rollout_once(roles: Roles, prompts: list[Any]) -> tuple[list[Any], float]:
+    from forge.actors import prompt_key
+
+    t0 = time.perf_counter()
+    groups = await asyncio.gather(*(roles.policy.generate.route(p, key=prompt_key(p)) for p in prompts))
+    return groups, time.perf_counter() - t0
+
+
+def _tokens(groups: list[Any]) -> int:
+    return sum(int(c.token_ids.numel()) for g in groups for c in g.completions)
+
+
+async def measure_steps(cfg: Any, roles: Roles, steps: int) -> dict[str, Any]:
+    """``steps`` synchronous GRPO steps, each phase timed on its own."""
+    import torch
+
+    from forge.losses import group_advantages
+    from forge.types import Episode, EpisodeBatch
+
+    totals = dict.fromkeys(PHASES, 0.0)
+    for step in range(steps + 1):  # step 0 warms every path up and is not counted
+        prompts = await roles.dataset.sample_many.call_one(cfg.prompts_per_step)
+        times = {}
+        groups, times["generation"] = await _rollout_once(roles, prompts)
+        pairs = [(g.prompt, c) for g in groups for c in g.completions]
+        t0 = time.perf_counter()
+        rewards = await roles.reward.score.route_many([(p, c.text) for p, c in pairs])
+        t1 = time.perf_counter()
+        refs = await roles.reference.logprobs.route_many([(c.prompt_ids, c.token_ids) for _, c in pairs])
+        t2 = time.perf_counter()
+        episodes = []
+        for gi, g in enumerate(groups):
+            n = len(g.completions)
+            r = rewards[gi * n : (gi + 1) * n]
+            adv = group_advantages(torch.tensor(r)).tolist()
+            for j, c in enumerate(g.completions):
+                episodes.append(Episode(f"{gi}", c.prompt_ids, c.token_ids, c.logprobs, refs[gi * n + j], r[j], adv[j], c.policy_version))
+        t3 = time.perf_counter()
+        await roles.trainer.train_step.call_one(EpisodeBatch.pack(episodes))
+        t4 = time.perf_counter()
+        await sync_weights(cfg, roles)
+        t5 = time.perf_counter()
+        times.update(reward=t1 - t0, reference=t2 - t1, training=t4 - t3, weight_sync=t5 - t4)
+        if step > 0:
+            for k in PHASES:
+                totals[k] += times[k]
+    step_total = sum(totals.values())
+    return {
+        "steps": steps,
+        "step_time_s": step_total / steps,
+        **{f"{k}_s": v / steps for k, v in totals.items()},
+        **{f"share_{k}": v / step_total for k, v in totals.items()},
+    }
+
+
+async def measure_weight_sync(cfg: Any, roles: Roles, repeats: int) -> dict[str, Any]:
+    """bytes/s of ``sync_weights`` (each transport) and of an in-process clone."""
+    state_dict, _ = await roles.trainer.weights.call_one()
+    nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+    clone_s = []
+    for _ in range(max(repeats, 5)):
+        t0 = time.perf_counter()
+        copied = {k: v.clone() for k, v in state_dict.items()}
+        clone_s.append(time.perf_counter() - t0)
+        del copied
+    memcpy_bps = nbytes / statistics.median(clone_s)
+    out: dict[str, Any] = {"state_dict_bytes": nbytes, "memcpy_bytes_per_s": memcpy_bps}
+    configured = cfg.weight_sync.transport
+    for transport in ("message", "file"):
+        cfg.weight_sync.transport = transport
+        await sync_weights(cfg, roles)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            await sync_weights(cfg, roles)
+            times.append(time.perf_counter() - t0)
+        bps = nbytes / statistics.median(times)
+        out[f"sync_{transport}_s"] = statistics.median(times)
+        out[f"sync_{transport}_bytes_per_s"] = bps
+        out[f"weight_sync_vs_memcpy_{transport}"] = bps / memcpy_bps
+    cfg.weight_sync.transport = configured
+    out["weight_sync_vs_memcpy"] = out[f"weight_sync_vs_memcpy_{configured}"]
+    return out
+
+
+def _bare_engine_process(conn: Any, model_path: str, engine_args: dict[str, Any], texts: list[str], sample: dict[str, Any]) -> None:
+    """A plain process (no Monarch) with a bare ``VllmEngine``: one generate per request."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from forge.generation import VllmEngine
+
+    engine = VllmEngine.create(model_path, **engine_args)
+    conn.send("ready")
+    while conn.recv() == "go":
+        t0 = time.perf_counter()
+        out = engine.generate(texts, **sample)
+        conn.send((sum(int(c.token_ids.numel()) for g in out for c in g), time.perf_counter() - t0))
+    engine.shutdown()
+
+
+async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
+    import multiprocessing
+
+    model_path = prepare_model(cfg)
+    roles = await start_roles(cfg, model_path)
+    p = cfg.policy
+    bare = None
+    try:
+        # The bare engine runs in its own plain process, like the policy replica's but without
+        # Monarch; service and bare rounds alternate on the same prompts, so load drift on
+        # shared cores hits both alike.
+        prompts = await roles.dataset.sample_many.call_one(cfg.prompts_per_step)
+        engine_args = dict(max_model_len=p.max_model_len, seed=cfg.seed, dtype=p.dtype, kv_cache_bytes=p.kv_cache_bytes, **p.engine_kwargs)
+        sample = dict(n=cfg.group_size, temperature=p.temperature, max_tokens=p.max_tokens)
+        conn, child_conn = multiprocessing.Pipe()
+        bare = multiprocessing.get_context("spawn").Process(
+            target=_bare_engine_process, args=(child_conn, model_path, engine_args, [q.text for q in prompts], sample), daemon=True
+        )
+        bare.start()
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, conn.recv) == "ready"
+
+        async def bare_round() -> tuple[int, float]:
+            conn.send("go")
+            return await loop.run_in_executor(None, conn.recv)
+
+        await _rollout_once(roles, prompts)  # warm-up
+        await bare_round()
+        service_tokens, service_s, bare_tokens, bare_s = 0, 0.0, 0, 0.0
+        for _ in range(rounds):
+            groups, seconds = await _rollout_once(roles, prompts)
+            service_tokens += _tokens(groups)
+            service_s += seconds
+            n, seconds = await bare_round()
+            bare_tokens += n
+            bare_s += seconds
+        conn.send("stop")
+        bare.join(timeout=30)
+        result: dict[str, Any] = {"config": {"prompts_per_step": cfg.prompts_per_step, "group_size": cfg.group_size,
+                                             "max_tokens": p.max_tokens, "temperature": p.temperature}}
+        result["rollout_tokens_per_s"] = service_tokens / service_s
+        result["bare_vllm_tokens_per_s"] = bare_tokens / bare_s
+        result["rollout_vs_bare_vllm_tokens_per_s"] = result["rollout_tokens_per_s"] / result["bare_vllm_tokens_per_s"]
+        result.update(await measure_steps(cfg, roles, steps))
+        result.update(await measure_weight_sync(cfg, roles, repeats=max(steps, 5)))
+    finally:
+        if bare is not None and bare.is_alive():
+            bare.kill()
+        await stop_roles(roles)
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\nGRPO step breakdown ({result['steps']} steps, {result['step_time_s'] * 1e3:.0f} ms/step, phases run one after another)")
+    print(f"{'phase':<14}{'ms/step':>10}{'share':>9}")
+    for k in PHASES:
+        print(f"{k:<14}{result[f'{k}_s'] * 1e3:>10.1f}{result[f'share_{k}']:>9.1%}")
+    print()
+    rows = [
+        ("rollout tokens/s (policy service)", f"{result['rollout_tokens_per_s']:.0f}"),
+        ("bare vLLM tokens/s (same prompts)", f"{result['bare_vllm_tokens_per_s']:.0f}"),
+        ("rollout_vs_bare_vllm_tokens_per_s", f"{result['rollout_vs_bare_vllm_tokens_per_s']:.3f}  (goal >= 0.9)"),
+        ("state dict", f"{result['state_dict_bytes'] / 1e6:.2f} MB"),
+        ("in-process copy", f"{result['memcpy_bytes_per_s'] / 1e9:.2f} GB/s"),
+        ("sync via message", f"{result['sync_message_bytes_per_s'] / 1e9:.3f} GB/s ({result['sync_message_s'] * 1e3:.1f} ms)"),
+        ("sync via file", f"{result['sync_file_bytes_per_s'] / 1e9:.3f} GB/s ({result['sync_file_s'] * 1e3:.1f} ms)"),
+        ("weight_sync_vs_memcpy", f"{result['weight_sync_vs_memcpy']:.3f}  (goal >= 0.5)"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_monarch()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/grpo_tiny.yaml", help="the app's YAML config")
+    parser.add_argument("--steps", type=int, default=5, help="synchronous steps timed (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=5, help="rollout rounds timed for the throughput ratio")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from apps.grpo.config import GRPOConfig
+    from forge.config import load_config
+
+    cfg = load_config(GRPOConfig, args.config, args.overrides)
+    result = asyncio.run(run(cfg, args.steps, args.rounds))
+    print_table(result)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Typed configuration: YAML files plus ``key=value`` overrides, checked against dataclass schemas.
+
+A schema is a tree of dataclasses (OmegaConf structured configs). Sources merge in one stated
+order, **command line > YAML file > dataclass defaults**, and every problem (an unknown key, a
+value of the wrong type, a required value left ``MISSING``, a broken ``${...}``
+interpolation) is a ``ConfigError`` whose message names the full dotted key (``trainer.lr``),
+what was expected there, and which source (file or override) brought the bad value.
+
+Example::
+
+    @dataclass
+    class TrainerConfig:
+        lr: float = 1e-5
+        steps: int = MISSING
+
+    @dataclass
+    class AppConfig:
+        trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    cfg = load_config(AppConfig, "configs/grpo_tiny.yaml", ["trainer.steps=100"])
+    cfg.trainer.steps  # 100, an int
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import errors as oc_errors
+
+T = TypeVar("T")
+
+__all__ = ["ConfigError", "config_to_dict", "config_to_yaml", "load_config"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``key`` is the dotted path and ``source`` where it came from."""
+
+    def __init__(self, message: str, *, key: str | None = None, source: str | None = None):
+        super().__init__(message)
+        self.key = key
+        self.source = source
+
+
+def load_config(schema_cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """Build a ``schema_cls`` instance from its defaults, then the YAML ``path``, then ``overrides``.
+
+    ``overrides`` are ``dotted.key=value`` strings; the value is parsed as YAML (``3`` is an
+    int, ``1e-4`` a float, ``[1,2]`` a list, ``null`` None). ``${other.key}`` interpolations are
+    resolved in the returned object. Raises ``ConfigError`` on any unknown key, wrong type,
+    missing required value or unresolvable interpolation.
+    """
+    if not (isinstance(schema_cls, type) and dataclasses.is_dataclass(schema_cls)):
+        raise TypeError(f"schema_cls must be a dataclass type, got {schema_cls!r}")
+    cfg = OmegaConf.structured(schema_cls)
+
+    if path is not None:
+        source = f"file {path}"
+        cfg = _merge_checked(cfg, _load_yaml(Path(path)), schema_cls, source)
+
+    for item in overrides:
+        source = f"override {item!r}"
+        layer = _parse_override(item, source)
+        cfg = _merge_checked(cfg, layer, schema_cls, source)
+
+    try:
+        return OmegaConf.to_object(cfg)  # resolves ${...}, fails on MISSING
+    except oc_errors.OmegaConfBaseException as e:
+        raise _translate(e, schema_cls, source="the merged config") from None
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain, fully resolved ``dict`` of a config (dataclass instance, DictConfig or dict)."""
+    node = cfg if isinstance(cfg, (DictConfig, ListConfig)) else OmegaConf.structured(cfg)
+    return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+
+
+def config_to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML text: what a run logs so it can be reproduced."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Internals
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}", source=f"file {path}")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}", source=f"file {path}") from None
+    if isinstance(loaded, ListConfig):
+        raise ConfigError(
+            f"config file {path} must hold a mapping of keys at the top level, got a list",
+            source=f"file {path}",
+        )
+    return loaded
+
+
+def _parse_override(item: str, source: str) -> DictConfig:
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"bad {source}: expected 'dotted.key=value'", source=source)
+    try:
+        return OmegaConf.from_dotlist([f"{key}={value}"])
+    except oc_errors.OmegaConfBaseException as e:
+        raise ConfigError(f"bad {source}: {_first_line(e)}", key=key, source=source) from None
+
+
+def _merge_checked(cfg: DictConfig, layer: DictConfig, schema_cls: type, source: str) -> DictConfig:
+    """Merge ``layer`` over ``cfg``, turning OmegaConf's errors into ``ConfigError`` s."""
+    _check_sections(cfg, layer, prefix="", source=source)
+    try:
+        return OmegaConf.merge(cfg, layer)
+    except oc_errors.OmegaConfBaseException as e:
+        raise _translate(e, schema_cls, source) from None
+
+
+def _check_sections(cfg: DictConfig, layer: DictConfig, prefix: str, source: str) -> None:
+    """Reject a scalar or list given where the schema has a section (a nested dataclass).
+
+    OmegaConf reports that case without the key ("int is not a subclass of X"), so it is
+    checked here first, walking both trees together.
+    """
+    for key in layer.keys():
+        key = str(key)
+        full_key = f"{prefix}{key}"
+        if key not in cfg:
+            continue  # unknown keys are reported by OmegaConf with their full path
+        target = cfg._get_node(key)
+        incoming = layer._get_node(key)
+        if OmegaConf.is_dict(target) and OmegaConf.get_type(target) not in (dict, None):
+            if not OmegaConf.is_dict(incoming):
+                if OmegaConf.is_list(incoming):
+                    value = OmegaConf.to_container(incoming)
+                else:
+                    value = incoming._value()
+                section = OmegaConf.get_type(target).__name__
+                raise ConfigError(
+                    f"{full_key}: expected a section of {section} fields "
+                    f"({', '.join(map(str, target.keys()))}), got {value!r} (from {source})",
+                    key=full_key,
+                    source=source,
+                )
+            _check_sections(target, incoming, prefix=f"{full_key}.", source=source)
+
+
+def _translate(e: oc_errors.OmegaConfBaseException, schema_cls: type, source: str) -> ConfigError:
+    key = getattr(e, "full_key", None) or "<root>"
+    detail = _first_line(e)
+    expected = _expected_type(schema_cls, key)
+    if isinstance(e, oc_errors.MissingMandatoryValue):
+        what = f" ({expected})" if expected else ""
+        message = (
+            f"{key}: missing required value{what}; set it in the YAML file or with {key}=..."
+        )
+    elif isinstance(e, (oc_errors.ConfigKeyError, oc_errors.ConfigAttributeError)):
+        parent, _, leaf = key.rpartition(".")
+        known = _known_keys(schema_cls, parent)
+        close = difflib.get_close_matches(leaf, known, n=1)
+        hint = f"; did you mean {'.'.join(filter(None, [parent, close[0]]))!r}?" if close else ""
+        message = (
+            f"{key}: unknown key (from {source}); known keys"
+            f"{' under ' + repr(parent) if parent else ''}: {', '.join(known)}{hint}"
+        )
+    elif isinstance(e, oc_errors.InterpolationResolutionError):
+        message = f"{key}: cannot resolve interpolation: {detail}"
+        if expected:
+            message += f" (expected {expected})"
+    elif isinstance(e, oc_errors.ValidationError):
+        message = f"{key}: {detail} (expected {expected or 'a valid value'}; from {source})"
+    else:
+        message = f"{key}: {detail} (from {source})"
+    return ConfigError(message, key=key, source=source)
+
+
+def _first_line(e: BaseException) -> str:
+    msg = getattr(e, "msg", None) or str(e)
+    return str(msg).splitlines()[0].strip()
+
+
+def _schema_at(schema_cls: type, dotted: str) -> Any:
+    """The annotated type at ``dotted`` in the schema, or ``None`` where it cannot be followed."""
+    node: Any = schema_cls
+    for part in [p for p in dotted.split(".") if p]:
+        part = part.split("[", 1)[0]
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return None
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            return None
+        node = hints[part]
+    return node
+
+
+def _expected_type(schema_cls: type, dotted: str) -> str | None:
+    if dotted == "<root>":
+        return None
+    hint = _schema_at(schema_cls, dotted)
+    if hint is None:
+        return None
+    if isinstance(hint, type):
+        if dataclasses.is_dataclass(hint):
+            return f"a {hint.__name__} section"
+        return hint.__name__
+    return str(hint).replace("typing.", "")
+
+
+def _known_keys(schema_cls: type, parent: str) -> list[str]:
+    node = _schema_at(schema_cls, parent) if parent else schema_cls
+    if isinstance(node, type) and dataclasses.is_dataclass(node):
+        return [f.name for f in dataclasses.fields(node)]
+    return []

@@ -1,0 +1,191 @@
+"""load_config: precedence, interpolation, and errors that name the full key and what was expected."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import yaml
+from omegaconf import MISSING
+
+from forge.config import ConfigError, config_to_dict, config_to_yaml, load_config
+
+
+@dataclass
+class _Trainer:
+    lr: float = 1e-3
+    steps: int = 10
+    name: str = "default"
+    dims: list[int] = field(default_factory=lambda: [1, 2])
+
+
+@dataclass
+class _App:
+    trainer: _Trainer = field(default_factory=_Trainer)
+    seed: int = 0
+    run_name: str = "run-${seed}"
+    extras: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Required:
+    model_path: str = MISSING
+    trainer: _Trainer = field(default_factory=_Trainer)
+
+
+def _yaml(tmp_path, text, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Merging
+
+
+def test_defaults_alone_give_a_schema_instance():
+    """No file, no overrides: the dataclass defaults, as an instance of the schema."""
+    cfg = load_config(_App, None, [])
+    assert isinstance(cfg, _App) and isinstance(cfg.trainer, _Trainer)
+    assert cfg.trainer.lr == 1e-3 and cfg.seed == 0
+
+
+def test_precedence_is_cli_over_file_over_defaults(tmp_path):
+    """steps: default 10, file 20, CLI 30 -> 30; lr only in the file -> file; name only default."""
+    path = _yaml(tmp_path, "trainer:\n  steps: 20\n  lr: 0.5\n")
+    cfg = load_config(_App, str(path), ["trainer.steps=30"])
+    assert cfg.trainer.steps == 30
+    assert cfg.trainer.lr == 0.5
+    assert cfg.trainer.name == "default"
+
+
+def test_later_overrides_win_over_earlier_ones():
+    """Overrides apply left to right."""
+    assert load_config(_App, None, ["seed=1", "seed=2"]).seed == 2
+
+
+def test_override_values_are_parsed_as_yaml_and_converted_to_field_types():
+    """'1e-4' becomes a float, '[3,4]' a list of ints, free-form dict fields accept new keys."""
+    cfg = load_config(_App, None, ["trainer.lr=1e-4", "trainer.dims=[3,4]", "extras.note=hi"])
+    assert cfg.trainer.lr == pytest.approx(1e-4) and isinstance(cfg.trainer.lr, float)
+    assert cfg.trainer.dims == [3, 4]
+    assert cfg.extras == {"note": "hi"}
+
+
+def test_interpolation_is_resolved_after_all_sources_merge(tmp_path):
+    """run_name '${seed}' follows the final seed; a file may interpolate too."""
+    path = _yaml(tmp_path, "trainer:\n  name: ${run_name}-trainer\n")
+    cfg = load_config(_App, path, ["seed=7"])
+    assert cfg.run_name == "run-7"
+    assert cfg.trainer.name == "run-7-trainer"
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_unknown_key_in_file_names_full_path_and_suggests(tmp_path):
+    """trainer.lrr in a file: the dotted path, the known keys and a did-you-mean."""
+    path = _yaml(tmp_path, "trainer:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(_App, path, [])
+    message = str(info.value)
+    assert info.value.key == "trainer.lrr"
+    assert "trainer.lrr" in message and "'trainer.lr'" in message and str(path) in message
+
+
+def test_unknown_key_in_override_names_the_override():
+    """An unknown top-level key from the CLI lists the known top-level keys."""
+    expected = r"nope: unknown key \(from override 'nope=1'\); known keys: trainer, seed"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(_App, None, ["nope=1"])
+
+
+@pytest.mark.parametrize(
+    "override, key, expected",
+    [
+        ("trainer.lr=abc", "trainer.lr", "expected float"),
+        ("trainer.steps=1.5", "trainer.steps", "expected int"),
+        ("trainer.dims=[1,x]", "trainer.dims[1]", "expected list[int]"),
+        ("seed=[1]", "seed", "expected int"),
+    ],
+)
+def test_wrong_type_names_the_key_and_the_expected_type(override, key, expected):
+    """A value that cannot become the field's type is a ConfigError with path and type."""
+    with pytest.raises(ConfigError) as info:
+        load_config(_App, None, [override])
+    assert info.value.key == key
+    assert str(info.value).startswith(f"{key}:")
+    assert expected in str(info.value)
+
+
+def test_wrong_type_in_file_names_the_file(tmp_path):
+    """The source of a bad value is part of the message."""
+    path = _yaml(tmp_path, "trainer:\n  steps: many\n")
+    with pytest.raises(ConfigError, match=rf"trainer.steps: .*expected int; from file {path}"):
+        load_config(_App, path, [])
+
+
+def test_scalar_where_a_section_belongs_names_the_section():
+    """trainer=5 says trainer is a section and lists its fields."""
+    with pytest.raises(ConfigError, match=r"trainer: expected a section of _Trainer fields \(lr, steps"):
+        load_config(_App, None, ["trainer=5"])
+
+
+def test_missing_required_value_names_the_key():
+    """A MISSING field left unset is reported with its path and type."""
+    with pytest.raises(ConfigError, match=r"model_path: missing required value \(str\)") as info:
+        load_config(_Required, None, [])
+    assert info.value.key == "model_path"
+    assert load_config(_Required, None, ["model_path=/m"]).model_path == "/m"
+
+
+def test_broken_interpolation_names_the_key():
+    """An interpolation to a non-existent key is a ConfigError naming where it was used."""
+    with pytest.raises(ConfigError, match=r"run_name: cannot resolve interpolation: .*'nope'"):
+        load_config(_App, None, ["run_name=${nope}"])
+
+
+def test_interpolated_value_of_wrong_type_is_an_error():
+    """trainer.steps=${run_name} resolves to a string: expected int."""
+    with pytest.raises(ConfigError, match=r"trainer.steps: .*expected int"):
+        load_config(_App, None, ["trainer.steps=${run_name}"])
+
+
+@pytest.mark.parametrize("override", ["trainer.lr", "=3"])
+def test_malformed_override_is_an_error(override):
+    """An override without 'key=' is refused and quoted."""
+    with pytest.raises(ConfigError, match="expected 'dotted.key=value'"):
+        load_config(_App, None, [override])
+
+
+def test_missing_or_malformed_file_is_an_error(tmp_path):
+    """A missing path, invalid YAML and a top-level list are ConfigErrors naming the file."""
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(_App, tmp_path / "absent.yaml", [])
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_App, _yaml(tmp_path, "trainer: [1,\n", "bad.yaml"), [])
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(_App, _yaml(tmp_path, "- 1\n- 2\n", "list.yaml"), [])
+
+
+def test_empty_file_keeps_the_defaults(tmp_path):
+    """An empty YAML file is a valid, empty layer."""
+    assert load_config(_App, _yaml(tmp_path, ""), []) == load_config(_App, None, [])
+
+
+def test_schema_must_be_a_dataclass():
+    """Passing an instance or a plain class is a TypeError."""
+    with pytest.raises(TypeError, match="dataclass type"):
+        load_config(_App(), None, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging helpers
+
+
+def test_config_to_yaml_round_trips_the_resolved_config():
+    """The YAML text loads back to the resolved values, interpolations already substituted."""
+    cfg = load_config(_App, None, ["seed=3"])
+    loaded = yaml.safe_load(config_to_yaml(cfg))
+    assert loaded == config_to_dict(cfg)
+    assert loaded["run_name"] == "run-3"
+    assert load_config(_App, None, [f"{k}={v}" for k, v in loaded.items() if k in ("seed", "run_name")]) == cfg

@@ -1,0 +1,244 @@
+"""GRPO loss: hand-computed values, the on-policy gradient, clipping, masking and the KL term."""
+
+import math
+
+import pytest
+import torch
+
+from forge.losses import group_advantages, grpo_loss, k3_kl
+
+
+# ---------------------------------------------------------------------------------------------
+# group_advantages
+
+
+def test_group_advantages_centre_and_scale_by_population_std():
+    """[1, 0, 0, 1]: mean 0.5, population std 0.5, so advantages are [1, -1, -1, 1]."""
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, -1.0, 1.0]))
+
+
+def test_group_advantages_without_scale_only_subtracts_the_mean():
+    """scale=False keeps raw differences from the group mean."""
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), scale=False)
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+@pytest.mark.parametrize("rewards", [[0.3, 0.3, 0.3], [0.7]])
+def test_group_advantages_are_zero_when_rewards_do_not_vary(rewards):
+    """Equal rewards (or a group of one) give zero advantages, never NaN."""
+    adv = group_advantages(torch.tensor(rewards))
+    torch.testing.assert_close(adv, torch.zeros(len(rewards)))
+
+
+def test_group_advantages_reject_a_batch_of_groups():
+    """A 2-D tensor is refused with its shape in the message."""
+    with pytest.raises(ValueError, match=r"\(2, 3\)"):
+        group_advantages(torch.zeros(2, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# k3_kl
+
+
+def test_k3_kl_is_zero_when_policy_equals_reference():
+    """lp == ref gives exactly zero KL per token."""
+    lp = torch.tensor([[-0.1, -2.0, -7.5]])
+    assert torch.equal(k3_kl(lp, lp.clone()), torch.zeros_like(lp))
+
+
+def test_k3_kl_matches_formula_and_is_non_negative():
+    """exp(r) - r - 1 with r = ref - lp, >= 0 for any sign of r."""
+    lp = torch.tensor([-1.0, -1.0, -1.0])
+    ref = torch.tensor([-1.5, -0.5, -3.0])
+    r = ref - lp
+    expected = torch.tensor([math.exp(x) - x - 1 for x in r.tolist()])
+    kl = k3_kl(lp, ref)
+    torch.testing.assert_close(kl, expected)
+    assert (kl >= 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# grpo_loss: a 2x3 batch computed by hand
+
+
+def _hand_batch():
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.0]])
+    # lp - behaviour: row 0 = [0, +0.2, 0], row 1 = [0, -0.3, (masked)]
+    behaviour = torch.tensor([[-1.0, -2.2, -0.5], [-0.3, -0.9, -5.0]])
+    # ref - lp: row 0 = [0, 0, -0.5], row 1 = [0, +0.5, (masked)]
+    ref = torch.tensor([[-1.0, -2.0, -1.0], [-0.3, -0.7, 1.0]])
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    return lp, behaviour, ref, adv, mask
+
+
+def test_grpo_loss_matches_hand_computation_on_2x3_batch():
+    """Every term of the loss and its stats, written out token by token (clip_eps 0.2, beta 0.04)."""
+    lp, behaviour, ref, adv, mask = _hand_batch()
+    loss, stats = grpo_loss(lp, behaviour, ref, adv, mask, clip_eps=0.2, beta=0.04)
+
+    # Row 0, A = +1. Ratios: 1, e^0.2 = 1.2214 (above 1.2: clipped to 1.2), 1.
+    #   pg tokens = -min(r*A, clip(r)*A) = [-1, -1.2, -1]      -> row mean -3.2/3
+    #   kl tokens = exp(d) - d - 1, d = ref - lp = [0, 0, -0.5] -> [0, 0, e^-0.5 - 0.5]
+    row0_pg = (-1.0 - 1.2 - 1.0) / 3
+    kl_02 = math.exp(-0.5) + 0.5 - 1
+    row0_kl = kl_02 / 3
+    # Row 1, A = -2. Ratios: 1, e^-0.3 = 0.7408 (below 0.8 with A < 0: clipped to 0.8); token 2 masked.
+    #   pg tokens = -min(r*A, clip(r)*A) = [-(-2), -min(-1.4816, -1.6)] = [2, 1.6] -> row mean 1.8
+    #   kl tokens: d = [0, 0.5] -> [0, e^0.5 - 0.5 - 1]
+    row1_pg = (2.0 + 1.6) / 2
+    kl_11 = math.exp(0.5) - 0.5 - 1
+    row1_kl = kl_11 / 2
+    # Mean over the two sequences.
+    pg_loss = (row0_pg + row1_pg) / 2
+    kl_loss = (row0_kl + row1_kl) / 2
+    expected_loss = pg_loss + 0.04 * kl_loss
+
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-6)
+    assert stats["pg_loss"].item() == pytest.approx(pg_loss, abs=1e-6)
+    assert stats["kl_loss"].item() == pytest.approx(kl_loss, abs=1e-6)
+    # Token-level stats over the 5 valid tokens.
+    assert stats["kl"].item() == pytest.approx((kl_02 + kl_11) / 5, abs=1e-6)
+    assert stats["clip_fraction"].item() == pytest.approx(2 / 5)
+    ratio_sum = 1 + math.exp(0.2) + 1 + 1 + math.exp(-0.3)
+    assert stats["ratio_mean"].item() == pytest.approx(ratio_sum / 5, abs=1e-6)
+
+
+def test_grpo_loss_stats_are_detached():
+    """Stats are for logging: none of them carries a graph."""
+    lp, behaviour, ref, adv, mask = _hand_batch()
+    lp.requires_grad_(True)
+    loss, stats = grpo_loss(lp, behaviour, ref, adv, mask)
+    assert loss.requires_grad
+    assert all(not v.requires_grad for v in stats.values())
+
+
+def test_on_policy_gradient_equals_plain_policy_gradient():
+    """With behaviour == current logprobs (ratio 1) and beta 0, d loss / d lp is -A * mask / (n_b * B)."""
+    torch.manual_seed(0)
+    lp = (-torch.rand(4, 5) * 3).requires_grad_(True)
+    adv = torch.tensor([1.5, -0.5, 0.0, -1.0])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    loss, _ = grpo_loss(lp, lp.detach(), lp.detach(), adv, mask, beta=0.0)
+    loss.backward()
+
+    plain_lp = lp.detach().clone().requires_grad_(True)
+    n = mask.sum(1, keepdim=True)
+    plain = (-(adv[:, None] * plain_lp * mask) / n).sum(1).mean()  # REINFORCE, per-sequence mean
+    plain.backward()
+
+    torch.testing.assert_close(lp.grad, plain_lp.grad)
+    torch.testing.assert_close(lp.grad, -adv[:, None] * mask / n / 4)
+
+
+@pytest.mark.parametrize(
+    "log_ratio, adv, clipped",
+    [
+        (math.log(1.5), 1.0, True),  # ratio 1.5 > 1.2 pushing up: clipped
+        (math.log(1.1), 1.0, False),  # inside the band
+        (math.log(0.5), -1.0, True),  # ratio 0.5 < 0.8 pushing down: clipped
+        (math.log(1.5), -1.0, False),  # outside the band but the advantage pulls it back
+    ],
+)
+def test_clipping_zeroes_gradient_only_beyond_clip_eps(log_ratio, adv, clipped):
+    """The gradient vanishes exactly where the ratio left [1-eps, 1+eps] in the advantage's direction."""
+    lp = torch.tensor([[-1.0]], requires_grad=True)
+    behaviour = torch.tensor([[-1.0 - log_ratio]])
+    loss, stats = grpo_loss(lp, behaviour, lp.detach(), torch.tensor([adv]), torch.ones(1, 1), beta=0.0)
+    loss.backward()
+    assert (lp.grad.abs().item() == 0.0) == clipped
+    assert stats["clip_fraction"].item() == (1.0 if clipped else 0.0)
+    if clipped:
+        bound = 1.2 if adv > 0 else 0.8
+        assert loss.item() == pytest.approx(-bound * adv)
+
+
+def test_clip_eps_high_widens_only_the_upper_bound():
+    """With clip_eps_high=0.28 a ratio of 1.25 (A > 0) is no longer clipped; 0.75 (A < 0) still is."""
+    lp = torch.tensor([[-1.0], [-1.0]], requires_grad=True)
+    behaviour = lp.detach() - torch.tensor([[math.log(1.25)], [math.log(0.75)]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, stats = grpo_loss(lp, behaviour, lp.detach(), adv, torch.ones(2, 1), clip_eps_high=0.28, beta=0.0)
+    loss.backward()
+    assert lp.grad[0, 0].item() != 0.0
+    assert lp.grad[1, 0].item() == 0.0
+    assert stats["clip_fraction"].item() == pytest.approx(0.5)
+
+
+def test_masked_tokens_do_not_contribute_even_if_nan_or_inf():
+    """Changing padded positions (to NaN, inf) changes neither the loss nor the valid gradients."""
+    lp, behaviour, ref, adv, mask = _hand_batch()
+    lp = lp.clone().requires_grad_(True)
+    loss, stats = grpo_loss(lp, behaviour, ref, adv, mask)
+    loss.backward()
+
+    lp2 = lp.detach().clone()
+    lp2[1, 2] = float("nan")
+    lp2.requires_grad_(True)
+    behaviour2, ref2 = behaviour.clone(), ref.clone()
+    behaviour2[1, 2] = float("-inf")
+    ref2[1, 2] = float("inf")
+    loss2, stats2 = grpo_loss(lp2, behaviour2, ref2, adv, mask)
+    loss2.backward()
+
+    assert loss2.item() == pytest.approx(loss.item())
+    torch.testing.assert_close(lp2.grad, lp.grad)
+    assert lp2.grad[1, 2].item() == 0.0
+    for k in stats:
+        assert stats2[k].item() == pytest.approx(stats[k].item())
+
+
+def test_each_sequence_weighs_the_same_whatever_its_length():
+    """Per-sequence mean then mean over sequences: a 1-token and a 3-token sequence count equally."""
+    lp = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, 1.0])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    # On-policy, ratio 1: every valid token contributes -A = -1, so each sequence's mean is -1.
+    loss, _ = grpo_loss(lp, lp, lp, adv, mask, beta=0.0)
+    assert loss.item() == pytest.approx(-1.0)
+
+
+def test_fully_masked_sequences_are_left_out_of_the_mean():
+    """A sequence with no valid token neither adds nor dilutes; an all-masked batch gives 0."""
+    lp = torch.zeros(2, 2)
+    adv = torch.tensor([2.0, 5.0])
+    loss, _ = grpo_loss(lp, lp, lp, adv, torch.tensor([[1, 1], [0, 0]]), beta=0.0)
+    assert loss.item() == pytest.approx(-2.0)
+    empty, _ = grpo_loss(lp, lp, lp, adv, torch.zeros(2, 2), beta=0.0)
+    assert empty.item() == 0.0
+
+
+def test_kl_term_is_zero_when_policy_equals_reference():
+    """ref == lp: kl stat and kl_loss are 0, so beta does not change the loss."""
+    lp, behaviour, _, adv, mask = _hand_batch()
+    with_kl, stats = grpo_loss(lp, behaviour, lp.clone(), adv, mask, beta=0.5)
+    without_kl, _ = grpo_loss(lp, behaviour, lp.clone(), adv, mask, beta=0.0)
+    assert stats["kl"].item() == 0.0
+    assert stats["kl_loss"].item() == 0.0
+    assert with_kl.item() == without_kl.item()
+
+
+def test_kl_gradient_pulls_policy_towards_reference():
+    """With zero advantages only beta * KL remains; a gradient step moves lp towards ref."""
+    lp = torch.tensor([[-2.0, -0.5]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0]])
+    loss, _ = grpo_loss(lp, lp.detach(), ref, torch.zeros(1), torch.ones(1, 2), beta=1.0)
+    loss.backward()
+    stepped = lp.detach() - 0.1 * lp.grad
+    assert ((stepped - ref).abs() < (lp.detach() - ref).abs()).all()
+
+
+@pytest.mark.parametrize("bad", ["behaviour_logprobs", "ref_logprobs", "mask", "advantages"])
+def test_grpo_loss_rejects_mismatched_shapes_naming_the_argument(bad):
+    """A wrong-shaped input is a ValueError that names which argument is wrong."""
+    args = dict(
+        logprobs=torch.zeros(2, 3),
+        behaviour_logprobs=torch.zeros(2, 3),
+        ref_logprobs=torch.zeros(2, 3),
+        advantages=torch.zeros(2),
+        mask=torch.ones(2, 3),
+    )
+    args[bad] = torch.zeros(3, 3) if bad != "advantages" else torch.zeros(3)
+    with pytest.raises(ValueError, match=bad):
+        grpo_loss(**args)

@@ -1,0 +1,82 @@
+"""Metric sinks: the JSONL record, the console line, the optional TensorBoard, make_sinks."""
+
+import json
+import logging
+import sys
+
+import pytest
+
+from forge.observability import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink, make_sinks
+from forge.observability import sinks as sinks_module
+
+
+def test_jsonl_sink_writes_one_object_per_step_and_flushes_each_step(tmp_path):
+    """Each log() is a line {"step": n, ...} readable before the sink is closed."""
+    sink = JsonlSink(tmp_path / "run")
+    sink.log(0, {"loss": 1.5, "reward_mean": 0.1})
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"step": 0, "loss": 1.5, "reward_mean": 0.1}]
+    sink.log(1, {"loss": 1.0})
+    sink.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+
+
+def test_jsonl_sink_writes_non_finite_values_as_null(tmp_path):
+    """NaN/inf become null so the file stays strict JSON."""
+    sink = JsonlSink(tmp_path)
+    sink.log(3, {"loss": float("nan"), "grad_norm": float("inf")})
+    sink.close()
+    assert json.loads(sink.path.read_text()) == {"step": 3, "loss": None, "grad_norm": None}
+
+
+def test_jsonl_sink_refuses_to_log_after_close(tmp_path):
+    """A closed sink says so instead of failing on a closed file."""
+    sink = JsonlSink(tmp_path)
+    sink.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        sink.log(0, {"x": 1.0})
+
+
+def test_console_sink_logs_one_compact_line_per_step(caplog):
+    """'step 12 | loss 0.1235 | reward_mean 0.5' through the forge.metrics logger."""
+    with caplog.at_level(logging.INFO, logger="forge.metrics"):
+        ConsoleSink().log(12, {"reward_mean": 0.5, "loss": 0.123456})
+    assert [r.getMessage() for r in caplog.records] == ["step 12 | loss 0.1235 | reward_mean 0.5"]
+
+
+def test_tensorboard_sink_without_tensorboard_warns_once_and_does_nothing(tmp_path, monkeypatch, caplog):
+    """Missing TensorBoard: one warning for any number of sinks, and log() is a no-op."""
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
+    monkeypatch.setattr(sinks_module, "_tensorboard_warned", False)
+    with caplog.at_level(logging.WARNING, logger=sinks_module.__name__):
+        first, second = TensorBoardSink(tmp_path), TensorBoardSink(tmp_path)
+        first.log(0, {"loss": 1.0})
+        first.close()
+    assert not first.enabled and not second.enabled
+    assert len([r for r in caplog.records if "TensorBoardSink disabled" in r.getMessage()]) == 1
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_make_sinks_builds_named_sinks_in_order(tmp_path, monkeypatch):
+    """['console', 'jsonl', 'tensorboard'] gives those sinks, all satisfying MetricSink."""
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    sinks = make_sinks(["console", "jsonl", "tensorboard"], tmp_path)
+    assert [type(s) for s in sinks] == [ConsoleSink, JsonlSink, TensorBoardSink]
+    assert all(isinstance(s, MetricSink) for s in sinks)
+    for s in sinks:
+        s.log(0, {"loss": 1.0})
+        s.close()
+    assert (tmp_path / "metrics.jsonl").exists()
+
+
+def test_make_sinks_rejects_unknown_names_listing_known_ones(tmp_path):
+    """'wandb' is not a sink: the error lists console, jsonl, tensorboard."""
+    with pytest.raises(ValueError, match=r"'wandb'.*\['console', 'jsonl', 'tensorboard'\]"):
+        make_sinks(["console", "wandb"], tmp_path)
+
+
+def test_make_sinks_rejects_a_bare_string(tmp_path):
+    """'jsonl' instead of ['jsonl'] would iterate characters: refused."""
+    with pytest.raises(TypeError, match="list of sink names"):
+        make_sinks("jsonl", tmp_path)

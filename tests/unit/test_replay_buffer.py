@@ -1,0 +1,138 @@
+"""ReplayBuffer: groups stay together, stale groups are evicted by policy age, FIFO sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forge.actors.replay_buffer import GroupBuffer, ReplayBuffer, Sample, group_version
+from forge.types import Episode, EpisodeBatch
+
+
+def _episodes(group_id: str, version: int, size: int = 3) -> list[Episode]:
+    return [
+        Episode(
+            group_id=group_id,
+            prompt_ids=torch.tensor([4, 5]),
+            response_ids=torch.tensor([6]),
+            behaviour_logprobs=torch.tensor([-1.0]),
+            ref_logprobs=torch.tensor([-1.0]),
+            reward=float(i),
+            advantage=0.0,
+            policy_version=version,
+        )
+        for i in range(size)
+    ]
+
+
+def _group(group_id: str, version: int, size: int = 3) -> EpisodeBatch:
+    return EpisodeBatch.pack(_episodes(group_id, version, size))
+
+
+def test_sample_returns_whole_groups_oldest_first():
+    """A sample is a list of complete groups, in the order they were added."""
+    buf = GroupBuffer(max_policy_age=1)
+    for i in range(3):
+        buf.add(_group(f"g{i}", version=0))
+    batch = buf.sample(2, policy_version=0)
+    assert [g.group_ids[0] for g in batch] == ["g0", "g1"]
+    assert all(len(g) == 3 and set(g.group_ids) == {g.group_ids[0]} for g in batch)
+    assert len(buf) == 1
+
+
+def test_sample_returns_none_when_too_few_groups():
+    """Fewer groups than asked for gives None and keeps the groups."""
+    buf = GroupBuffer(max_policy_age=1)
+    buf.add(_group("g0", version=0))
+    assert buf.sample(2, policy_version=0) is None
+    assert len(buf) == 1
+
+
+def test_groups_older_than_max_policy_age_are_evicted():
+    """At version v, a group of version g survives only if v - g <= max_policy_age."""
+    buf = GroupBuffer(max_policy_age=1)
+    buf.add(_group("old", version=3))
+    buf.add(_group("edge", version=4))
+    buf.add(_group("new", version=5))
+    assert buf.evict(policy_version=5) == 1
+    batch = buf.sample(2, policy_version=5)
+    assert [g.group_ids[0] for g in batch] == ["edge", "new"]
+    assert buf.snapshot().evicted == 1
+
+
+def test_max_policy_age_zero_is_strictly_on_policy():
+    """With max_policy_age=0 only groups of the current version are sampled."""
+    buf = GroupBuffer(max_policy_age=0)
+    buf.add(_group("stale", version=1))
+    buf.add(_group("fresh", version=2))
+    assert [g.group_ids[0] for g in buf.sample(1, policy_version=2)] == ["fresh"]
+
+
+def test_group_version_is_its_oldest_episode():
+    """A group with mixed versions is as old as its oldest episode."""
+    episodes = _episodes("g", version=5)
+    episodes[1].policy_version = 3
+    group = EpisodeBatch.pack(episodes)
+    assert group_version(group) == 3
+    buf = GroupBuffer(max_policy_age=1)
+    buf.add(group)
+    assert buf.evict(policy_version=5) == 1
+
+
+def test_capacity_drops_the_oldest_group():
+    """Adding to a full buffer drops its oldest group."""
+    buf = GroupBuffer(max_policy_age=10, capacity=2)
+    for i in range(3):
+        buf.add(_group(f"g{i}", version=0))
+    assert [g.group_ids[0] for g in buf.sample(2, policy_version=0)] == ["g1", "g2"]
+
+
+@pytest.mark.parametrize(
+    "group, match",
+    [
+        (_episodes("a", 0), "must be an EpisodeBatch"),
+        (EpisodeBatch.pack(_episodes("a", 0)[:1] + _episodes("b", 0)[:1]), "share one group_id"),
+    ],
+)
+def test_add_rejects_malformed_groups(group, match):
+    """Unpacked episodes and groups mixing group_ids are refused."""
+    with pytest.raises((TypeError, ValueError), match=match):
+        GroupBuffer(max_policy_age=1).add(group)
+
+
+@pytest.mark.parametrize("age", [-1, 1.5, True])
+def test_bad_max_policy_age_is_refused(age):
+    """max_policy_age must be an integer >= 0."""
+    with pytest.raises(ValueError, match="max_policy_age"):
+        GroupBuffer(max_policy_age=age)
+
+
+def test_episode_batch_round_trips():
+    """EpisodeBatch.pack/unpack/concat keep every field of every episode."""
+    episodes = _episodes("a", 2) + _episodes("b", 3, size=2)
+    episodes[1].response_ids = torch.tensor([7, 8, 9])
+    episodes[1].behaviour_logprobs = episodes[1].ref_logprobs = torch.tensor([-1.0, -2.0, -3.0])
+    batch = EpisodeBatch.concat([EpisodeBatch.pack(episodes[:3]), EpisodeBatch.pack(episodes[3:])])
+    for got, want in zip(batch.unpack(), episodes, strict=True):
+        assert got.group_id == want.group_id and got.policy_version == want.policy_version
+        assert torch.equal(got.response_ids, want.response_ids)
+        assert torch.equal(got.behaviour_logprobs, want.behaviour_logprobs)
+        assert got.reward == want.reward
+
+
+async def test_actor_reports_evictions_with_each_sample():
+    """The actor's sample() says how many stale groups it evicted, even when it returns None."""
+    from monarch.actor import this_proc
+
+    actor = this_proc().spawn("buffer_test", ReplayBuffer, 0)
+    try:
+        await actor.setup.call_one()
+        assert await actor.add.call_one(_group("stale", version=0)) == 1
+        await actor.add.call_one(_group("fresh", version=1))
+        sample = await actor.sample.call_one(2, 1)
+        assert isinstance(sample, Sample) and sample.groups is None and sample.evicted == 1
+        sample = await actor.sample.call_one(1, 1)
+        assert sample.evicted == 0 and sample.groups[0].group_ids[0] == "fresh"
+        assert (await actor.stats.call_one()).sampled == 1
+    finally:
+        await actor.stop()
