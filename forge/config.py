@@ -54,7 +54,9 @@ def load_config(schema_cls: type[T], path: str | Path | None = None, overrides: 
     ``overrides`` are ``dotted.key=value`` strings; the value is parsed as YAML (``3`` is an
     int, ``1e-4`` a float, ``[1,2]`` a list, ``null`` None). ``${other.key}`` interpolations are
     resolved in the returned object. Raises ``ConfigError`` on any unknown key, wrong type,
-    missing required value or unresolvable interpolation.
+    missing required value or unresolvable interpolation. Cross-field checks in a schema's
+    ``__post_init__`` run when the object is built and raise their own ``ValueError``
+    (``ConfigError`` is one too, so ``except ValueError`` catches both).
     """
     if not (isinstance(schema_cls, type) and dataclasses.is_dataclass(schema_cls)):
         raise TypeError(f"schema_cls must be a dataclass type, got {schema_cls!r}")

@@ -319,6 +319,7 @@ class Replica:
                 raise ReplicaFailed(f"{where}: the replica failed while this request was in flight: {self.failure}") from None
             raise
         except BaseException as exc:
+            self._calls.discard(task)  # type: ignore[arg-type]  # don't abort ourselves below
             if isinstance(exc, ActorError):  # the replica answered, with an error
                 self.last_progress = time.monotonic()
             raise self._failed_call(exc, where) from exc
