@@ -78,7 +78,11 @@ def _forge_fault_hook(failure: MeshFailure) -> None:
         except Exception:  # a listener's bug must not take the controller down
             logger.exception("forge fault listener failed")
     if not handled:
-        logger.warning("Monarch mesh %s failed: %s", getattr(failure, "mesh_name", "?"), _report(failure))
+        name = str(getattr(failure, "mesh_name", "?"))
+        # Every proc mesh has a hidden "logger-*" actor mesh that fails with its processes;
+        # the owner of the real mesh reports that failure, so this one is only noise.
+        level = logging.DEBUG if name.startswith("logger-") else logging.WARNING
+        logger.log(level, "Monarch mesh %s failed: %s", name, _report(failure))
 
 
 def _report(failure: MeshFailure) -> str:

@@ -86,6 +86,7 @@ class Service:
         self._capacity_changed: asyncio.Condition | None = None
         self._waiting = 0
         self.recovery_log: list[dict[str, float]] = []
+        self.retried = 0  # requests resent after their replica died
         self._signatures = {name: _call_signature(prop) for name, prop in self.endpoints.items()}
 
     # ----------------------------------------------------------- lifecycle
@@ -294,6 +295,7 @@ class Service:
                 if retries <= 0 or self._stopped:
                     raise
                 retries -= 1
+                self.retried += 1
                 logger.info("retrying %s.%s on another replica: %s", self.actor_cls.__name__, endpoint, exc)
             finally:
                 if self._waiting:
@@ -361,7 +363,8 @@ class Service:
             }
             for ep, t in totals.items()
         }
-        return {"service": self.name, "replicas": replicas, "endpoints": endpoints}
+        return {"service": self.name, "replicas": replicas, "endpoints": endpoints, "retried": self.retried,
+                "restarts": sum(r.restarts for r in self.replicas)}
 
 
 def _call_signature(prop: Any) -> inspect.Signature | None:
