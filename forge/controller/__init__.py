@@ -12,12 +12,14 @@ from forge.controller.errors import (
     BatchResultError,
     EndpointError,
     ForgeError,
+    ModelLoadError,
     NoHealthyReplica,
     Overloaded,
     ReplicaFailed,
     RequestTimeout,
     ServiceStopped,
 )
+from forge.controller.multiplex import ModelAware, Multiplexing, model_loader
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import InsufficientGpus, split_gpus
 from forge.controller.quiet import quiet_monarch
@@ -46,6 +48,9 @@ __all__ = [
     "InsufficientGpus",
     "KeyAffinity",
     "LeastLoaded",
+    "ModelAware",
+    "ModelLoadError",
+    "Multiplexing",
     "NoHealthyReplica",
     "Overloaded",
     "ReplicaFailed",
@@ -59,6 +64,7 @@ __all__ = [
     "ServiceStopped",
     "Sticky",
     "endpoint",
+    "model_loader",
     "register_router",
     "quiet_monarch",
     "split_gpus",

@@ -15,6 +15,9 @@
     await actor.score.call([1, 2])          # Monarch adverbs, one result per rank
     await Scorer.shutdown(actor)             # stops the actor's processes
 
+A ``ForgeActor`` may serve many models: mark its loader with ``@model_loader(max_models=3)``
+and its batched endpoints with ``multiplexed=True`` (see ``forge.controller.multiplex``).
+
 Endpoints must be ``async def`` (Monarch cannot mix sync and async endpoints in one actor).
 Override ``setup`` (decorated with ``@endpoint``) for async initialisation: it runs once on
 every rank before the actor or replica takes traffic.
@@ -30,6 +33,7 @@ from monarch.actor import Actor
 
 from forge.controller.endpoint import endpoint
 from forge.controller.errors import ForgeError
+from forge.controller.multiplex import model_store
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import split_gpus, spawn_proc_mesh, visible_gpus
 from forge.controller.replica import await_with_timeout, translate_error
@@ -53,6 +57,12 @@ class ForgeActor(Actor):
         """Liveness probe of the service's health loop (concurrent: never queues behind a
         request that is waiting on I/O)."""
         return True
+
+    @endpoint(concurrent=True)
+    async def _forge_load_model(self, model_id: Any, evict: list) -> None:
+        """Evict the models in ``evict``, then load ``model_id`` (a service's replica sends this;
+        concurrent: other models' batches run while a model loads)."""
+        await model_store(self).load(model_id, evict)
 
     @classmethod
     def options(cls: type[A], **options: Any) -> "ActorLauncher[A]":

@@ -11,6 +11,8 @@ each batched endpoint. The contract, clause by clause (each has a test):
   the slots are busy the forming batch keeps growing instead of queueing half-empty batches.
 - One queue per key: items of different keys never share a batch; a queue that runs empty is
   removed, so keys cost nothing once idle.
+- A key's queue can be held back (``runnable(key)`` is False, e.g. its model is loading): it
+  keeps growing, and the other keys use the slots meanwhile.
 - Callers cancelled before their batch runs are dropped from it; if all are, nothing runs.
 - The executor must return one result per item. A wrong count or type fails every caller of
   that batch with ``BatchResultError``; an ``Exception`` instance in one slot fails only that
@@ -162,12 +164,17 @@ class Batcher:
         *,
         name: str = "batcher",
         clock: Callable[[], float] = time.monotonic,
+        runnable: Callable[[Hashable], bool] | None = None,
     ) -> None:
+        """``runnable(key)``, if given, holds back a key's queue while it returns False (the
+        queue keeps growing; e.g. a multiplexed model that is still loading). Call ``wake()``
+        when it may have turned True."""
         self.spec = spec
         self.name = name
         self.stats = BatchStats()
         self._execute = execute
         self._clock = clock
+        self._runnable = runnable
         self._queues: dict[Hashable, _KeyQueue] = {}
         self._slots = asyncio.Semaphore(spec.max_concurrent_batches)
         self._wakeup = asyncio.Event()
@@ -227,6 +234,19 @@ class Batcher:
     def keys(self) -> list[Hashable]:
         return list(self._queues)
 
+    def wake(self) -> None:
+        """Look at the queues again (a key held back by ``runnable`` may now run)."""
+        self._wakeup.set()
+
+    def fail(self, key: Hashable, error: BaseException) -> None:
+        """Fail every queued item of ``key`` with ``error`` and drop its queue."""
+        queue = self._queues.pop(key, None)
+        if queue is not None:
+            for pending in queue.items:
+                if not pending.future.done():
+                    self.stats.errors += 1
+                    pending.future.set_exception(error)
+
     async def close(self, error: BaseException | None = None) -> None:
         """Fail every queued and running item with ``error`` and stop the dispatcher."""
         self._closed = error or ServiceStopped(f"{self.name}: the batcher was closed")
@@ -269,6 +289,8 @@ class Batcher:
                 if not queue.items:
                     del self._queues[key]  # idle queues go away
                     continue
+                if self._runnable is not None and not self._runnable(key):
+                    continue  # held back: it keeps growing until wake()
                 deadline = queue.oldest() + self.spec.max_wait_s
                 if queue.total_size >= self.spec.max_size or deadline <= now:
                     if ready_key is _NO_KEY or queue.oldest() < self._queues[ready_key].oldest():

@@ -6,9 +6,16 @@ and a forge service prebatches singleton ``route`` calls into those lists (one M
 per batch). Called directly on an actor mesh (``actor.ep.call_one([...])``) it is an ordinary
 endpoint that takes a list: caller batching and actor batching share one method.
 
+``@endpoint(batch=Batching(...), multiplexed=True)`` marks a batched endpoint that serves many
+models (see ``forge.controller.multiplex``): its method takes ``(model, batch)``, every batch
+holds one model's requests, and callers name the model: ``svc.ep.route(x, model_id="m7")``.
+Called directly on an actor mesh it takes ``(model_id, batch)``.
+
 ``@endpoint(concurrent=True)`` lets the actor run several calls of that endpoint at once
-(Monarch runs one message at a time otherwise); batched endpoints with
-``max_concurrent_batches > 1`` get it automatically.
+(Monarch runs one message at a time otherwise). A batched endpoint's
+``max_concurrent_batches`` is how many of its batches may be in flight to one replica: without
+``concurrent=True`` the extra ones wait in the actor's mailbox, which hides the round trip
+between batches; with it (e.g. an async engine) they also run at the same time.
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ from monarch.actor import concurrent_endpoint as _monarch_concurrent_endpoint
 from monarch.actor import endpoint as _monarch_endpoint
 
 from forge.controller.batching import Batching
+from forge.controller.multiplex import multiplexed_method
 
 _BATCHING_ATTR = "_forge_batching"
 _RETRY_ATTR = "_forge_retry"
+_MULTIPLEXED_ATTR = "_forge_multiplexed"
 
 
 def endpoint(
@@ -32,6 +41,7 @@ def endpoint(
     batch: Batching | None = None,
     concurrent: bool = False,
     retry: bool = True,
+    multiplexed: bool = False,
     **monarch_options: Any,
 ) -> Any:
     """Mark a ``ForgeActor`` method as an endpoint, optionally batched.
@@ -41,10 +51,12 @@ def endpoint(
         concurrent: run calls of this endpoint concurrently inside the actor.
         retry: a service may resend a request that a dead replica never answered; set False
             for endpoints that are not idempotent (the caller then gets ``ReplicaFailed``).
+        multiplexed: a batched endpoint of many models: the method takes ``(model, batch)``
+            and the actor needs a ``@model_loader`` (see ``forge.controller.multiplex``).
         monarch_options: passed to Monarch's ``endpoint`` (e.g. ``instrument=False``).
     """
     if method is None:
-        return lambda fn: endpoint(fn, batch=batch, concurrent=concurrent, retry=retry, **monarch_options)
+        return lambda fn: endpoint(fn, batch=batch, concurrent=concurrent, retry=retry, multiplexed=multiplexed, **monarch_options)
     if batch is not None and not isinstance(batch, Batching):
         raise TypeError(f"endpoint(batch=...) must be a forge Batching, got {batch!r}")
     if not inspect.iscoroutinefunction(method):
@@ -52,20 +64,31 @@ def endpoint(
             f"forge endpoints must be 'async def' ({method.__qualname__} is not): Monarch cannot mix "
             f"sync and async endpoints in one actor, and ForgeActor's own endpoints are async"
         )
+    if multiplexed and batch is None:
+        raise TypeError(
+            f"multiplexed endpoint {method.__qualname__} needs batch=Batching(...) (use Batching(max_size=1) "
+            f"for one request per call)"
+        )
+    if multiplexed and batch.key is not None:  # type: ignore[union-attr]
+        raise TypeError(f"multiplexed endpoint {method.__qualname__}: its batching key is the model id, so Batching(key=...) must be None")
     if batch is not None:
         params = [p for p in inspect.signature(method).parameters.values() if p.name != "self"]
         required = [p for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(required) != 1:
+        if len(required) != 1 + multiplexed:
+            wanted = "two required arguments (the model, the batch)" if multiplexed else "one required argument (the batch)"
             raise TypeError(
-                f"batched endpoint {method.__qualname__} must take exactly one required argument "
-                f"(the batch), got {[p.name for p in required]}"
+                f"{'multiplexed' if multiplexed else 'batched'} endpoint {method.__qualname__} must take exactly "
+                f"{wanted}, got {[p.name for p in required]}"
             )
-    run_concurrently = concurrent or (batch is not None and batch.max_concurrent_batches > 1)
-    decorate = _monarch_concurrent_endpoint if run_concurrently else _monarch_endpoint
+    user_method = method
+    if multiplexed:
+        method = multiplexed_method(method)
+    decorate = _monarch_concurrent_endpoint if concurrent else _monarch_endpoint
     prop = decorate(method, **monarch_options)
     setattr(prop, _BATCHING_ATTR, batch)
     setattr(prop, _RETRY_ATTR, retry)
-    prop._forge_method = method  # the undecorated method, for checking calls' arguments
+    setattr(prop, _MULTIPLEXED_ATTR, multiplexed)
+    prop._forge_method = user_method  # the undecorated method, for checking calls' arguments
     return prop
 
 
@@ -76,3 +99,7 @@ def batching_of(prop: Any) -> Batching | None:
 
 def retry_allowed(prop: Any) -> bool:
     return getattr(prop, _RETRY_ATTR, True)
+
+
+def is_multiplexed(prop: Any) -> bool:
+    return getattr(prop, _MULTIPLEXED_ATTR, False)

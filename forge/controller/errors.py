@@ -26,6 +26,14 @@ class EndpointError(ForgeError):
         self.remote = remote
 
 
+class ModelLoadError(EndpointError):
+    """A multiplexed model failed to load on a replica; only the requests for that model get it.
+
+    ``endpoint`` names the loader and the model, e.g. ``Predictor.load_model('m7')@r0``; a later
+    request for the same model tries the load again.
+    """
+
+
 class BatchResultError(ForgeError):
     """A batched endpoint returned a result that cannot be split back to its callers."""
 

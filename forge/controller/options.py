@@ -33,8 +33,9 @@ class ActorOptions:
     """Give each process one GPU of its own (``CUDA_VISIBLE_DEVICES``), split across replicas."""
     num_replicas: int = 1
     """Replicas of a service, each on its own proc mesh."""
-    router: Any = "round_robin"
-    """Default router of the service's endpoints: a registered name, a Router class or instance."""
+    router: Any = None
+    """Default router of the service's endpoints: a registered name, a Router class or instance.
+    None: ``round_robin``, and ``model_aware`` for multiplexed endpoints."""
     endpoint_routers: dict[str, Any] = field(default_factory=dict)
     """Per-endpoint routers, overriding ``router``: ``{"generate": "key_affinity"}``."""
     call_timeout_s: float | None = 600.0
@@ -47,6 +48,9 @@ class ActorOptions:
     """Times a replica whose process died is restarted before it is left failed."""
     restart_backoff_s: float = 0.5
     """Wait before the first restart of a replica; doubles with each failed try (cap 30 s)."""
+    max_models: int | None = None
+    """Models one replica of a multiplexed service holds at most; None: the actor's
+    ``@model_loader(max_models=...)``. Size it to the memory a replica has for models."""
     max_in_flight_per_replica: int | None = None
     """Admission limit: requests a replica may hold (queued in its batchers or running) at
     once. None: no limit. Past it, callers wait in the service queue."""
@@ -78,6 +82,8 @@ class ActorOptions:
         _check_int("max_retries", self.max_retries, 0)
         _check_int("max_restarts", self.max_restarts, 0)
         _check_int("max_queued", self.max_queued, 0)
+        if self.max_models is not None:
+            _check_int("max_models", self.max_models, 1)
         if self.max_in_flight_per_replica is not None:
             _check_int("max_in_flight_per_replica", self.max_in_flight_per_replica, 1)
         _check_timeout("restart_backoff_s", self.restart_backoff_s)
@@ -90,7 +96,8 @@ class ActorOptions:
             raise ValueError(f"options(with_gpus=...) must be True or False, got {self.with_gpus!r}")
         _check_timeout("call_timeout_s", self.call_timeout_s)
         _check_timeout("setup_timeout_s", self.setup_timeout_s)
-        make_router(self.router) if not isinstance(self.router, Router) else None  # validates the name
+        if self.router is not None and not isinstance(self.router, Router):
+            make_router(self.router)  # validates the name
         if not isinstance(self.endpoint_routers, dict):
             raise ValueError(f"options(endpoint_routers=...) must be a dict of endpoint name -> router, got {self.endpoint_routers!r}")
         for spec in self.endpoint_routers.values():

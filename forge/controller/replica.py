@@ -2,8 +2,10 @@
 
 A replica turns a service request into Monarch messages. Plain endpoints get one message per
 request; batched endpoints go through one ``Batcher`` each, which sends one message per batch.
-Every message has a timeout, and Monarch's errors become forge's: the endpoint's own exception
-becomes ``EndpointError``, a dead process ``ReplicaFailed``, no answer ``RequestTimeout``.
+Multiplexed endpoints share one ``ReplicaModels``, which loads and evicts the replica's models
+and holds a model's queue back while it loads. Every message has a timeout, and Monarch's
+errors become forge's: the endpoint's own exception becomes ``EndpointError``, a dead process
+``ReplicaFailed``, no answer ``RequestTimeout``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from monarch.actor import ActorError, ProcMesh
 
 from forge.controller.batching import Batcher, Batching
 from forge.controller.errors import EndpointError, ReplicaFailed, RequestTimeout, ServiceStopped, UnsendableArgument
+from forge.controller.multiplex import LOAD_ENDPOINT, Multiplexing, ReplicaModels
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import spawn_proc_mesh
 
@@ -61,6 +64,8 @@ class ReplicaSpec:
     service_name: str
     gpus: list[str] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    multiplexing: Multiplexing | None = None
+    multiplexed: frozenset[str] = frozenset()
 
 
 async def await_with_timeout(awaitable: Any, timeout: float | None) -> Any:
@@ -115,6 +120,7 @@ class Replica:
         self.proc_mesh: ProcMesh | None = None
         self.actor_mesh: Any = None
         self.batchers: dict[str, Batcher] = {}
+        self.models: ReplicaModels | None = None  # the replica's models, if it multiplexes
         self.counters: dict[str, _EndpointCounters] = {}
         self.started_at: float | None = None
         self.failure: str | None = None
@@ -143,6 +149,13 @@ class Replica:
         batcher = self.batchers.get(endpoint)
         return batcher is not None and batcher.has_forming(key)
 
+    def has_model(self, model_id: Hashable) -> bool:
+        return self.models is not None and self.models.holds(model_id)
+
+    @property
+    def num_models(self) -> int:
+        return self.models.count if self.models is not None else 0
+
     # ----------------------------------------------------------- lifecycle
     async def start(self, take_traffic: bool = True) -> None:
         """Spawn the proc mesh and actor, run ``setup`` on every rank, then take traffic
@@ -164,8 +177,13 @@ class Replica:
             self.failure = _first_line(exc)
             await self._stop_mesh()
             raise translate_error(exc, f"{self.spec.actor_cls.__name__} replica {self.replica_id} setup") from exc
+        self.models = None
+        if self.spec.multiplexed:
+            self.models = ReplicaModels(self.spec.multiplexing, self._load_model, name=f"{self.spec.actor_cls.__name__}@r{self.replica_id}")
         self.batchers = {
-            name: Batcher(spec, self._batch_executor(name), name=f"{self.spec.actor_cls.__name__}.{name}@r{self.replica_id}")
+            name: (self.models.batcher if name in self.spec.multiplexed else Batcher)(  # type: ignore[union-attr]
+                spec, self._batch_executor(name), name=f"{self.spec.actor_cls.__name__}.{name}@r{self.replica_id}"
+            )
             for name, spec in self.spec.batching.items()
         }
         self.started_at = self.last_progress = time.monotonic()
@@ -259,14 +277,18 @@ class Replica:
             raise self._failed_call(exc, where) from exc
         return list(values.values())
 
+    async def _load_model(self, model_id: Hashable, evict: list) -> None:
+        await self._send(LOAD_ENDPOINT, (model_id, evict), {}, self.spec.options.call_timeout_s)
+
     def _batch_executor(self, endpoint: str):
         enbatch, debatch = self.spec.batching[endpoint].resolve_assembly(self.spec.actor_cls)
         timeout = self.spec.options.call_timeout_s
+        multiplexed = endpoint in self.spec.multiplexed  # the key is the model id: sent first
 
         async def execute(items: list[Any], key: Hashable) -> Sequence[Any]:
             payload = enbatch(items) if enbatch is not None else items
             try:
-                result = await self._send(endpoint, (payload,), {}, timeout)
+                result = await self._send(endpoint, (key, payload) if multiplexed else (payload,), {}, timeout)
             except UnsendableArgument:
                 if enbatch is not None or len(items) == 1:
                     raise
@@ -371,9 +393,12 @@ class Replica:
                     "in_flight": c.in_flight,
                 }
             endpoints[name] = stats
-        return {
+        result = {
             "state": self.state.value,
             "generation": self.generation,
             "in_flight": self._in_flight,
             "endpoints": endpoints,
         }
+        if self.models is not None:
+            result["models"] = self.models.metrics()
+        return result

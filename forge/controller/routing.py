@@ -15,6 +15,8 @@ Built in:
   or leaves. A key whose batch is already forming on some replica goes there. When the chosen
   replica's load exceeds ``load_factor`` times the mean (plus ``slack``), the request spills to
   the least-loaded replica, which bounds the imbalance a hot key can cause.
+- ``model_aware`` (in ``forge.controller.multiplex``): the key is a model id; replicas that hold
+  the model first, else the one with the fewest models; the default of multiplexed endpoints.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ handle a caller holds::
     y = await svc.score.route(5, key="prompt-17")    # one item in, one result out
     ys = await svc.score.route_many([1, 2, 3])       # results in order
     rs = await svc.ping.fanout()                     # one result per healthy replica
+    p = await svc.predict.route(x, model_id="m7")   # a multiplexed endpoint: name the model
     async with svc.session():                        # calls inside stick to one replica
         ...
     svc.metrics(); await svc.shutdown()
@@ -32,8 +33,9 @@ from typing import Any
 from monarch.actor import MeshFailure
 
 from forge.controller.batching import Batching
-from forge.controller.endpoint import batching_of, retry_allowed
+from forge.controller.endpoint import batching_of, is_multiplexed, retry_allowed
 from forge.controller.errors import NoHealthyReplica, Overloaded, ReplicaFailed, ServiceStopped
+from forge.controller.multiplex import aggregate_metrics, check_multiplexing
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import add_fault_listener, remove_fault_listener, split_gpus, visible_gpus
 from forge.controller.replica import Replica, ReplicaSpec, ReplicaState
@@ -63,6 +65,8 @@ class Service:
         self.batching: dict[str, Batching] = {n: b for n, p in self.endpoints.items() if (b := batching_of(p)) is not None}
         for spec in self.batching.values():
             spec.resolve_assembly(actor_cls)  # a bad enbatch/debatch name fails here, not per batch
+        self.multiplexed = frozenset(n for n, p in self.endpoints.items() if is_multiplexed(p))
+        self.multiplexing = check_multiplexing(actor_cls, self.multiplexed, options.max_models)
         for name in options.endpoint_routers:
             if name not in self.endpoints:
                 raise ValueError(f"options(endpoint_routers=...) names {name!r}, which is not an endpoint of {actor_cls.__name__}; endpoints: {sorted(self.endpoints)}")
@@ -70,7 +74,8 @@ class Service:
         self._routers: dict[str, Router] = {}
         gpus = split_gpus(options.num_replicas, options.procs, visible_gpus()) if options.with_gpus else [None] * options.num_replicas
         self.replicas = [
-            Replica(i, ReplicaSpec(actor_cls, args, kwargs, options, self.batching, self.name, gpus[i]))
+            Replica(i, ReplicaSpec(actor_cls, args, kwargs, options, self.batching, self.name, gpus[i],
+                                   multiplexing=self.multiplexing, multiplexed=self.multiplexed))
             for i in range(options.num_replicas)
         ]
         for replica in self.replicas:
@@ -206,6 +211,8 @@ class Service:
         router = self._routers.get(endpoint)
         if router is None:
             spec = self.options.endpoint_routers.get(endpoint, self._default_router_spec)
+            if spec is None:
+                spec = "model_aware" if endpoint in self.multiplexed else "round_robin"
             router = self._routers[endpoint] = make_router(spec)
         return router
 
@@ -311,7 +318,7 @@ class Service:
         except TypeError as exc:
             raise TypeError(f"{self.actor_cls.__name__}.{endpoint}{signature}: {exc}") from None
 
-    async def fanout(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> list[Any]:
+    async def fanout(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None, key: Hashable = None) -> list[Any]:
         if timeout is None and endpoint not in self.batching:
             timeout = self.options.call_timeout_s
         if endpoint not in self.batching:
@@ -320,7 +327,7 @@ class Service:
         if not replicas:
             raise NoHealthyReplica(f"service {self.name} has no healthy replica for fanout of {endpoint!r}")
         if endpoint in self.batching:
-            calls = [r.submit(endpoint, args[0], None, timeout) for r in replicas]
+            calls = [r.submit(endpoint, args[0], key, timeout) for r in replicas]
         else:
             calls = [r.call(endpoint, args, kwargs, timeout) for r in replicas]
         return list(await asyncio.gather(*calls))
@@ -338,7 +345,8 @@ class Service:
 
     # ----------------------------------------------------------- metrics
     def metrics(self) -> dict[str, Any]:
-        """Per replica and per endpoint: requests, batches, batch sizes, queue wait, in flight, errors."""
+        """Per replica and per endpoint: requests, batches, batch sizes, queue wait, in flight, errors;
+        with multiplexed endpoints, ``models``: loads, evictions, hits, per-model batch sizes."""
         replicas = {r.replica_id: r.metrics() for r in self.replicas}
         totals: dict[str, dict[str, float]] = {}
         for rm in replicas.values():
@@ -363,8 +371,11 @@ class Service:
             }
             for ep, t in totals.items()
         }
-        return {"service": self.name, "replicas": replicas, "endpoints": endpoints, "retried": self.retried,
-                "restarts": sum(r.restarts for r in self.replicas)}
+        result = {"service": self.name, "replicas": replicas, "endpoints": endpoints, "retried": self.retried,
+                  "restarts": sum(r.restarts for r in self.replicas)}
+        if self.multiplexed:
+            result["models"] = aggregate_metrics([rm["models"] for rm in replicas.values() if "models" in rm])
+        return result
 
 
 def _call_signature(prop: Any) -> inspect.Signature | None:
@@ -397,34 +408,54 @@ class EndpointHandle:
         self._service = service
         self._name = name
         self._batched = name in service.batching
+        self._multiplexed = name in service.multiplexed
 
     async def route(self, *args: Any, key: Hashable = None, timeout: float | None = None, **kwargs: Any) -> Any:
         """One request to one replica chosen by the endpoint's router.
 
         For a batched endpoint pass exactly one item; it is prebatched with others and you get
         its own result back. ``key`` is the similarity key used by ``key_affinity`` routing and
-        by per-key batch queues.
+        by per-key batch queues. A multiplexed endpoint takes ``model_id=`` instead: the model
+        that must serve the item.
         """
-        if self._batched and (len(args) != 1 or kwargs):
-            raise TypeError(
-                f"{self._service.actor_cls.__name__}.{self._name} is batched: route() takes exactly one item "
-                f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments)"
-            )
+        if self._batched:
+            if self._multiplexed:
+                key = self._model_id(key, kwargs)
+            if len(args) != 1 or kwargs:
+                raise TypeError(
+                    f"{self._service.actor_cls.__name__}.{self._name} is batched: route() takes exactly one item "
+                    f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments)"
+                )
         return await self._service.request(self._name, args, kwargs, key, timeout)
 
-    async def route_many(self, items: Sequence[Any], *, keys: Sequence[Hashable] | None = None, timeout: float | None = None) -> list[Any]:
-        """Route each item as its own request, concurrently; results in the items' order."""
+    async def route_many(self, items: Sequence[Any], *, keys: Sequence[Hashable] | None = None, timeout: float | None = None,
+                         model_id: Hashable = None) -> list[Any]:
+        """Route each item as its own request, concurrently; results in the items' order.
+        ``model_id``: the model of every item, for a multiplexed endpoint."""
         if keys is not None and len(keys) != len(items):
             raise ValueError(f"route_many: {len(keys)} keys for {len(items)} items; give one key per item")
         keys = keys if keys is not None else [None] * len(items)
-        return list(await asyncio.gather(*(self.route(item, key=k, timeout=timeout) for item, k in zip(items, keys))))
+        extra = {"model_id": model_id} if model_id is not None else {}
+        return list(await asyncio.gather(*(self.route(item, key=k, timeout=timeout, **extra) for item, k in zip(items, keys))))
 
     async def fanout(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """The same request to every healthy replica; one result per replica."""
-        return await self._service.fanout(self._name, args, kwargs, timeout)
+        key = self._model_id(None, kwargs) if self._multiplexed else None
+        return await self._service.fanout(self._name, args, kwargs, timeout, key)
+
+    def _model_id(self, key: Hashable, kwargs: dict[str, Any]) -> Hashable:
+        """Pop ``model_id`` from a multiplexed endpoint's call: it is the request's key."""
+        model_id = kwargs.pop("model_id", None)
+        if model_id is None or key is not None:
+            raise TypeError(
+                f"{self._service.actor_cls.__name__}.{self._name} is multiplexed: name the model that serves the "
+                f"item with model_id=... (and no key=), e.g. route(x, model_id=\"m7\")"
+            )
+        return model_id
 
     def __repr__(self) -> str:
-        return f"<endpoint {self._service.actor_cls.__name__}.{self._name}{' (batched)' if self._batched else ''}>"
+        kind = " (multiplexed)" if self._multiplexed else " (batched)" if self._batched else ""
+        return f"<endpoint {self._service.actor_cls.__name__}.{self._name}{kind}>"
 
 
 class ServiceInterface:

@@ -1,0 +1,1 @@
+"""Model multiplexing example: several tiny checkpoints behind one service (see main.py)."""
