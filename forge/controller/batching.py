@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -153,7 +154,8 @@ class Batcher:
     """Async queue that accepts single items and runs them through ``execute`` in batches.
 
     ``execute(items, key)`` is called with at most ``spec.max_size`` items of one key and must
-    return one result per item. A replica owns one ``Batcher`` per batched endpoint; tests drive
+    return (an awaitable of) one result per item. It is called synchronously when the batch
+    starts, so an executor that sends its message when called sends it at once. A replica owns one ``Batcher`` per batched endpoint; tests drive
     it with a plain coroutine.
     """
 
@@ -176,7 +178,7 @@ class Batcher:
         self._clock = clock
         self._runnable = runnable
         self._queues: dict[Hashable, _KeyQueue] = {}
-        self._slots = asyncio.Semaphore(spec.max_concurrent_batches)
+        self._free_slots = spec.max_concurrent_batches
         self._wakeup = asyncio.Event()
         self._running: set[asyncio.Task] = set()
         self._dispatcher: asyncio.Task | None = None
@@ -214,6 +216,10 @@ class Batcher:
             queue = self._queues[key] = _KeyQueue()
         queue.items.append(_Pending(item, size, future, self._clock()))
         queue.total_size += size
+        if self._free_slots > 0 and queue.total_size >= self.spec.max_size and (self._runnable is None or self._runnable(key)):
+            # Full with a slot free: start it now. In a burst of singletons this sends the first
+            # batch before the rest of the burst has even been queued.
+            self._start(key)
         self._ensure_dispatcher()
         self._wakeup.set()
         return future
@@ -266,45 +272,66 @@ class Batcher:
             self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch(), name=f"{self.name}-dispatch")
 
     async def _dispatch(self) -> None:
-        """Wait for a free slot, then for a ready batch, then start it; forever."""
+        """Start each batch as soon as it is ready and a slot is free; forever."""
         while True:
-            await self._slots.acquire()
-            try:
-                key, batch = await self._next_batch()
-            except BaseException:
-                self._slots.release()
-                raise
-            task = asyncio.get_running_loop().create_task(self._run(key, batch), name=f"{self.name}-batch")
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
-
-    async def _next_batch(self) -> tuple[Hashable, list[_Pending]]:
-        while True:
-            now = self._clock()
-            ready_key: Hashable = _NO_KEY  # None is a valid key
             next_deadline = None
-            for key in list(self._queues):
-                queue = self._queues[key]
-                queue.drop_done_head()
-                if not queue.items:
-                    del self._queues[key]  # idle queues go away
+            if self._free_slots > 0:
+                ready_key, next_deadline = self._ready()
+                if ready_key is not _NO_KEY:
+                    self._start(ready_key)
                     continue
-                if self._runnable is not None and not self._runnable(key):
-                    continue  # held back: it keeps growing until wake()
-                deadline = queue.oldest() + self.spec.max_wait_s
-                if queue.total_size >= self.spec.max_size or deadline <= now:
-                    if ready_key is _NO_KEY or queue.oldest() < self._queues[ready_key].oldest():
-                        ready_key = key
-                elif next_deadline is None or deadline < next_deadline:
-                    next_deadline = deadline
-            if ready_key is not _NO_KEY:
-                return ready_key, self._take(ready_key)
             self._wakeup.clear()
-            timeout = None if next_deadline is None else max(0.0, next_deadline - now)
+            timeout = None if next_deadline is None else max(0.0, next_deadline - self._clock())
             try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
+
+    def _ready(self) -> tuple[Hashable, float | None]:
+        """The ready key whose first item is oldest (or _NO_KEY), and the next deadline."""
+        now = self._clock()
+        ready_key: Hashable = _NO_KEY  # None is a valid key
+        next_deadline = None
+        for key in list(self._queues):
+            queue = self._queues[key]
+            queue.drop_done_head()
+            if not queue.items:
+                del self._queues[key]  # idle queues go away
+                continue
+            if self._runnable is not None and not self._runnable(key):
+                continue  # held back: it keeps growing until wake()
+            deadline = queue.oldest() + self.spec.max_wait_s
+            if queue.total_size >= self.spec.max_size or deadline <= now:
+                if ready_key is _NO_KEY or queue.oldest() < self._queues[ready_key].oldest():
+                    ready_key = key
+            elif next_deadline is None or deadline < next_deadline:
+                next_deadline = deadline
+        return ready_key, next_deadline
+
+    def _start(self, key: Hashable) -> None:
+        """Take a batch of ``key`` into a free slot and hand it to the executor now.
+
+        The executor is called synchronously: one that sends its message when called (the
+        replica's does) puts the batch on the wire before this returns.
+        """
+        live = self._take(key)
+        if not live:
+            return
+        now = self._clock()
+        self.stats.batches += 1
+        self.stats.items_batched += len(live)
+        self.stats.max_batch_size = max(self.stats.max_batch_size, len(live))
+        self.stats.queue_wait_s_total += sum(now - p.enqueued_at for p in live)
+        try:
+            pending_result = self._execute([p.item for p in live], key)
+        except Exception as exc:
+            self.stats.errors += len(live)
+            _fail_all(live, exc)
+            return
+        self._free_slots -= 1
+        task = asyncio.get_running_loop().create_task(self._run(live, pending_result), name=f"{self.name}-batch")
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     def _take(self, key: Hashable) -> list[_Pending]:
         queue = self._queues[key]
@@ -320,18 +347,10 @@ class Batcher:
             del self._queues[key]
         return batch
 
-    async def _run(self, key: Hashable, batch: list[_Pending]) -> None:
+    async def _run(self, live: list[_Pending], pending_result: Awaitable[Sequence[Any]]) -> None:
         try:
-            live = [p for p in batch if not p.future.done()]  # cancelled while we waited for a slot
-            if not live:
-                return
-            now = self._clock()
-            self.stats.batches += 1
-            self.stats.items_batched += len(live)
-            self.stats.max_batch_size = max(self.stats.max_batch_size, len(live))
-            self.stats.queue_wait_s_total += sum(now - p.enqueued_at for p in live)
             try:
-                results = await self._execute([p.item for p in live], key)
+                results = await pending_result
             except Exception as exc:
                 self.stats.errors += len(live)
                 _fail_all(live, exc)
@@ -352,10 +371,12 @@ class Batcher:
                 else:
                     pending.future.set_result(result)
         except asyncio.CancelledError:
-            _fail_all(batch, self._closed or ServiceStopped(f"{self.name}: batch cancelled"))
+            _fail_all(live, self._closed or ServiceStopped(f"{self.name}: batch cancelled"))
             raise
         finally:
-            self._slots.release()
+            if inspect.iscoroutine(pending_result):
+                pending_result.close()  # never awaited if we were cancelled first
+            self._free_slots += 1
             self._wakeup.set()
 
 

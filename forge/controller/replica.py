@@ -14,7 +14,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -285,15 +285,20 @@ class Replica:
         timeout = self.spec.options.call_timeout_s
         multiplexed = endpoint in self.spec.multiplexed  # the key is the model id: sent first
 
-        async def execute(items: list[Any], key: Hashable) -> Sequence[Any]:
+        def execute(items: list[Any], key: Hashable) -> Awaitable[Sequence[Any]]:
+            """Sends the batch's message now; the returned awaitable gives its results."""
             payload = enbatch(items) if enbatch is not None else items
             try:
-                result = await self._send(endpoint, (key, payload) if multiplexed else (payload,), {}, timeout)
+                reply = self._dispatch(endpoint, (key, payload) if multiplexed else (payload,), {})
             except UnsendableArgument:
                 if enbatch is not None or len(items) == 1:
                     raise
-                return await execute_without_unsendable(items, key)  # raises if none is to blame
-            return debatch(result, len(items)) if debatch is not None else result
+                return execute_without_unsendable(items, key)  # raises if none is to blame
+            return finish(reply, len(items))
+
+        async def finish(reply: Any, n: int) -> Sequence[Any]:
+            result = await self._await_reply(endpoint, reply, timeout)
+            return debatch(result, n) if debatch is not None else result
 
         async def execute_without_unsendable(items: list[Any], key: Hashable) -> list[Any]:
             """One caller's unpicklable item must not fail its batch-mates: fail just it."""
@@ -319,19 +324,29 @@ class Replica:
         return execute
 
     async def _send(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
+        return await self._await_reply(endpoint, self._dispatch(endpoint, args, kwargs), timeout)
+
+    def _dispatch(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Send one message now (Monarch sends on call); return the future of its reply."""
         where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
         if self.actor_mesh is None or self.state not in (ReplicaState.HEALTHY, ReplicaState.RECOVERING):
             raise ReplicaFailed(f"{where}: replica is {self.state.value}")
         ep = getattr(self.actor_mesh, endpoint)
         self._counters(endpoint).messages += 1
+        try:
+            return ep.call_one(*args, **kwargs) if self.spec.options.procs == 1 else ep.call(*args, **kwargs)
+        except BaseException as exc:
+            raise self._failed_call(exc, where) from exc
+
+    async def _await_reply(self, endpoint: str, reply: Any, timeout: float | None) -> Any:
+        """Wait for a reply, turning Monarch's failures into forge's (see ``translate_error``)."""
+        where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
         task = asyncio.current_task()
         self._calls.add(task)  # type: ignore[arg-type]
         try:
-            if self.spec.options.procs == 1:
-                result = await await_with_timeout(ep.call_one(*args, **kwargs), timeout)
-            else:
-                values = await await_with_timeout(ep.call(*args, **kwargs), timeout)
-                result = next(iter(values.values()))  # rank 0's result
+            result = await await_with_timeout(reply, timeout)
+            if self.spec.options.procs != 1:
+                result = next(iter(result.values()))  # rank 0's result
             self.last_progress = time.monotonic()
             return result
         except asyncio.CancelledError as exc:
