@@ -6,17 +6,17 @@
 It starts the roles exactly as ``apps/grpo/main.py`` does, then measures, one after another
 (nothing overlaps, so each phase's time is its own):
 
-- ``share_*``: the share of a step's time spent in generation (one ``generate.route`` per
+- ``share_*``: the share of a step's time (medians over the steps) spent in generation (one ``generate.route`` per
   prompt, prebatched by the policy service), reward, reference, training and weight sync, over
   ``--steps`` synchronous steps. In the app, rollouts overlap training; this shows the costs.
 - ``rollout_vs_bare_vllm_tokens_per_s``: generated tokens/s through the policy service (every
   prompt its own ``route`` call) / the same prompts, ``n``, ``max_tokens`` and temperature in
   one call of a bare ``VllmEngine`` in a plain process of its own (no Monarch), at the same
   weights (goal >= 0.9). Both run on version-0 weights, in alternating rounds, before any
-  training step.
+  training step; the figure is the ratio of the medians over ``--rounds``.
 - ``weight_sync_vs_memcpy``: state-dict bytes/s from the trainer into the policy (the app's
   ``sync_weights``: fetch from the trainer, load into every replica) / bytes/s of an
-  in-process copy of the same state dict (``tensor.clone()``) (goal >= 0.5). Both transports
+  in-process copy of the same state dict into preallocated tensors (goal >= 0.5). Both transports
   (``message`` and ``file``) are measured; the figure is the configured one's.
 
 Prints a table and writes everything as JSON with ``--out``.
@@ -63,7 +63,7 @@ async def measure_steps(cfg: Any, roles: Roles, steps: int) -> dict[str, Any]:
     from forge.losses import group_advantages
     from forge.types import Episode, EpisodeBatch
 
-    totals = dict.fromkeys(PHASES, 0.0)
+    samples: dict[str, list[float]] = {k: [] for k in PHASES}
     for step in range(steps + 1):  # step 0 warms every path up and is not counted
         prompts = await roles.dataset.sample_many.call_one(cfg.prompts_per_step)
         times = {}
@@ -89,41 +89,60 @@ async def measure_steps(cfg: Any, roles: Roles, steps: int) -> dict[str, Any]:
         times.update(reward=t1 - t0, reference=t2 - t1, training=t4 - t3, weight_sync=t5 - t4)
         if step > 0:
             for k in PHASES:
-                totals[k] += times[k]
-    step_total = sum(totals.values())
+                samples[k].append(times[k])
+    # Medians per phase: a neighbour's burst on shared cores moves one step, not the figure.
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    step_total = sum(medians.values())
     return {
         "steps": steps,
-        "step_time_s": step_total / steps,
-        **{f"{k}_s": v / steps for k, v in totals.items()},
-        **{f"share_{k}": v / step_total for k, v in totals.items()},
+        "step_time_s": step_total,
+        **{f"{k}_s": v for k, v in medians.items()},
+        **{f"share_{k}": v / step_total for k, v in medians.items()},
     }
 
 
 async def measure_weight_sync(cfg: Any, roles: Roles, repeats: int) -> dict[str, Any]:
-    """bytes/s of ``sync_weights`` (each transport) and of an in-process clone."""
+    """bytes/s of ``sync_weights`` (each transport) and of an in-process copy."""
+    import torch
+
     state_dict, _ = await roles.trainer.weights.call_one()
     nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-    clone_s = []
+    # The baseline is a plain memory copy of the same tensors into buffers allocated once
+    # (``copy_``); ``clone()`` (which also allocates, so pays page faults) is reported beside it.
+    targets = {k: torch.empty_like(v) for k, v in state_dict.items()}
+    copy_s, clone_s = [], []
     for _ in range(max(repeats, 5)):
+        t0 = time.perf_counter()
+        for k, v in state_dict.items():
+            targets[k].copy_(v)
+        copy_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         copied = {k: v.clone() for k, v in state_dict.items()}
         clone_s.append(time.perf_counter() - t0)
         del copied
-    memcpy_bps = nbytes / statistics.median(clone_s)
-    out: dict[str, Any] = {"state_dict_bytes": nbytes, "memcpy_bytes_per_s": memcpy_bps}
+    memcpy_bps = nbytes / statistics.median(copy_s)
+    out: dict[str, Any] = {
+        "state_dict_bytes": nbytes,
+        "memcpy_bytes_per_s": memcpy_bps,
+        "clone_bytes_per_s": nbytes / statistics.median(clone_s),
+    }
     configured = cfg.weight_sync.transport
     for transport in ("message", "file"):
         cfg.weight_sync.transport = transport
         await sync_weights(cfg, roles)  # warm-up
-        times = []
+        times, loads = [], []
         for _ in range(repeats):
+            before = (await roles.policy.engine_stats.fanout())[0]["update_s"]
             t0 = time.perf_counter()
             await sync_weights(cfg, roles)
             times.append(time.perf_counter() - t0)
+            loads.append((await roles.policy.engine_stats.fanout())[0]["update_s"] - before)
         bps = nbytes / statistics.median(times)
         out[f"sync_{transport}_s"] = statistics.median(times)
         out[f"sync_{transport}_bytes_per_s"] = bps
         out[f"weight_sync_vs_memcpy_{transport}"] = bps / memcpy_bps
+        # The policy-side part: reading the payload and vLLM's in-place reload (CPU repacking).
+        out[f"sync_{transport}_policy_update_s"] = statistics.median(loads)
     cfg.weight_sync.transport = configured
     out["weight_sync_vs_memcpy"] = out[f"weight_sync_vs_memcpy_{configured}"]
     return out
@@ -132,9 +151,10 @@ async def measure_weight_sync(cfg: Any, roles: Roles, repeats: int) -> dict[str,
 def _bare_engine_process(conn: Any, model_path: str, engine_args: dict[str, Any], texts: list[str], sample: dict[str, Any]) -> None:
     """A plain process (no Monarch) with a bare ``VllmEngine``: one generate per request."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from forge.generation import VllmEngine
 
-    engine = VllmEngine.create(model_path, **engine_args)
+    engine = VllmEngine.create(model_path, use_tqdm_on_load=False, **engine_args)
     conn.send("ready")
     while conn.recv() == "go":
         t0 = time.perf_counter()
@@ -171,20 +191,19 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
 
         await _rollout_once(roles, prompts)  # warm-up
         await bare_round()
-        service_tokens, service_s, bare_tokens, bare_s = 0, 0.0, 0, 0.0
+        service_rates, bare_rates = [], []
         for _ in range(rounds):
             groups, seconds = await _rollout_once(roles, prompts)
-            service_tokens += _tokens(groups)
-            service_s += seconds
+            service_rates.append(_tokens(groups) / seconds)
             n, seconds = await bare_round()
-            bare_tokens += n
-            bare_s += seconds
+            bare_rates.append(n / seconds)
         conn.send("stop")
         bare.join(timeout=30)
         result: dict[str, Any] = {"config": {"prompts_per_step": cfg.prompts_per_step, "group_size": cfg.group_size,
                                              "max_tokens": p.max_tokens, "temperature": p.temperature}}
-        result["rollout_tokens_per_s"] = service_tokens / service_s
-        result["bare_vllm_tokens_per_s"] = bare_tokens / bare_s
+        result["rounds"] = rounds
+        result["rollout_tokens_per_s"] = statistics.median(service_rates)
+        result["bare_vllm_tokens_per_s"] = statistics.median(bare_rates)
         result["rollout_vs_bare_vllm_tokens_per_s"] = result["rollout_tokens_per_s"] / result["bare_vllm_tokens_per_s"]
         result.update(await measure_steps(cfg, roles, steps))
         result.update(await measure_weight_sync(cfg, roles, repeats=max(steps, 5)))
@@ -196,7 +215,7 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"\nGRPO step breakdown ({result['steps']} steps, {result['step_time_s'] * 1e3:.0f} ms/step, phases run one after another)")
+    print(f"\nGRPO step breakdown (median of {result['steps']} steps, {result['step_time_s'] * 1e3:.0f} ms/step, phases run one after another)")
     print(f"{'phase':<14}{'ms/step':>10}{'share':>9}")
     for k in PHASES:
         print(f"{k:<14}{result[f'{k}_s'] * 1e3:>10.1f}{result[f'share_{k}']:>9.1%}")
@@ -206,9 +225,10 @@ def print_table(result: dict[str, Any]) -> None:
         ("bare vLLM tokens/s (same prompts)", f"{result['bare_vllm_tokens_per_s']:.0f}"),
         ("rollout_vs_bare_vllm_tokens_per_s", f"{result['rollout_vs_bare_vllm_tokens_per_s']:.3f}  (goal >= 0.9)"),
         ("state dict", f"{result['state_dict_bytes'] / 1e6:.2f} MB"),
-        ("in-process copy", f"{result['memcpy_bytes_per_s'] / 1e9:.2f} GB/s"),
+        ("in-process copy", f"{result['memcpy_bytes_per_s'] / 1e9:.2f} GB/s (copy_; clone() {result['clone_bytes_per_s'] / 1e9:.2f} GB/s)"),
         ("sync via message", f"{result['sync_message_bytes_per_s'] / 1e9:.3f} GB/s ({result['sync_message_s'] * 1e3:.1f} ms)"),
         ("sync via file", f"{result['sync_file_bytes_per_s'] / 1e9:.3f} GB/s ({result['sync_file_s'] * 1e3:.1f} ms)"),
+        ("  of which policy update_weights", f"{result['sync_file_policy_update_s'] * 1e3:.1f} ms (file), {result['sync_message_policy_update_s'] * 1e3:.1f} ms (message)"),
         ("weight_sync_vs_memcpy", f"{result['weight_sync_vs_memcpy']:.3f}  (goal >= 0.5)"),
     ]
     width = max(len(r[0]) for r in rows)
@@ -218,10 +238,13 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     quiet_monarch()
+    import monarch.config
+
+    monarch.config.configure(process_exit_timeout="1s")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/grpo_tiny.yaml", help="the app's YAML config")
-    parser.add_argument("--steps", type=int, default=5, help="synchronous steps timed (after one warm-up)")
-    parser.add_argument("--rounds", type=int, default=5, help="rollout rounds timed for the throughput ratio")
+    parser.add_argument("--steps", type=int, default=7, help="synchronous steps timed, after one warm-up (medians)")
+    parser.add_argument("--rounds", type=int, default=15, help="rollout rounds timed for the throughput ratio (medians)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = parser.parse_args(argv)

@@ -252,6 +252,7 @@ async def run_workload(name: str, levels: list[int], rounds: int, warmup_s: floa
                 order = list(systems) if (i + r) % 2 == 0 else list(reversed(systems))
                 for system in order:
                     cell = await closed_loop(systems[system], workload, c, warmup_s, duration_s, seed=r)
+                    cell["load_avg_1m"] = os.getloadavg()[0]
                     print(f"  {name:11s} round {r} c={c:<4d} {system:9s} {cell['throughput_rps']:8.0f} req/s  "
                           f"p50 {cell['p50_ms']:7.1f} ms  p99 {cell['p99_ms']:7.1f} ms", flush=True)
                     if c not in best[system] or cell["throughput_rps"] > best[system][c]["throughput_rps"]:
@@ -344,9 +345,9 @@ async def main() -> None:
     parser.add_argument("--from-json", help="skip the run: print and plot the results in this JSON file")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 128], help="closed-loop clients")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds timed per cell")
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds timed per cell")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of load before each timed window")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each cell; the best is kept")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each cell; the best is kept")
     parser.add_argument("--systems", nargs="+", default=["ray_serve", "forge"], choices=["ray_serve", "forge"],
                         help="run only some systems (for profiling one alone; the ratios need both)")
     args = parser.parse_args()

@@ -22,10 +22,15 @@ share taken from the same config object:
 What differs is each system's design: TRL generates with ``transformers.generate`` in the
 training process (``use_vllm=False``: the CPU run has no vLLM server), step by step; forge
 generates with vLLM in a policy service while the trainer trains (``max_policy_age`` versions
-off-policy, corrected by the importance ratio). Seconds per step are the training loop's
-(forge: the sum of ``step_time_s`` in its ``metrics.jsonl``; TRL: first step's start to last
-step's end); start-up (process spawn, model and vLLM load) is reported apart.
-``forge_vs_trl_steps_per_s`` = forge steps/s / TRL steps/s.
+off-policy, corrected by the importance ratio). TRL's process gets ``--trl-threads`` torch
+threads (default 1, as every forge process has: on 2 shared cores 2 threads made TRL up to 8x
+slower whenever another job ran).
+
+Seconds per step are the training loop's wall time divided by its steps: forge's from its
+roles' start to its last step (its summary line; ``metrics.jsonl``'s ``step_time_s`` leaves
+out the per-step logging between steps, so its sum is reported apart), TRL's from the first
+step's start to the last step's end. Start-up (process spawn, model and vLLM load) is reported
+apart. ``forge_vs_trl_steps_per_s`` = forge steps/s / TRL steps/s.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -42,6 +48,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 FORGE_PYTHON = REPO / ".venv" / "bin" / "python"
+TRL_THREADS = 1  # torch threads of the TRL process (see the module docstring)
 SUMMARY_WINDOW = 10  # steps averaged for the "first" and "last" reward figures
 
 
@@ -90,11 +97,18 @@ def run_forge(cfg: Any, config: str, overrides: list[str], out_dir: Path) -> dic
         raise RuntimeError(f"forge's GRPO app exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     step_times = [r["step_time_s"] for r in rows]
-    train_s = sum(step_times)
-    print(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "", flush=True)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    print(summary, flush=True)
+    # The loop's wall time: from the roles' start to the last step, so that per-step work outside
+    # step_time_s (e.g. logging) counts, as it does for TRL. From the app's summary line.
+    match = re.search(r"(\d+) steps in ([\d.]+)s \(startup ([\d.]+)s\)", summary)
+    if match is None:
+        raise RuntimeError(f"cannot read the loop's wall time from the app's summary line: {summary!r}")
+    train_s = float(match.group(2)) - float(match.group(3))
     return {
         "steps": len(rows),
         "train_s": train_s,
+        "sum_step_time_s": sum(step_times),
         "startup_s": wall - train_s,
         "wall_s": wall,
         "s_per_step": train_s / len(rows),
@@ -142,11 +156,12 @@ def trl_reward_fns(cfg: Any) -> tuple[list[Any], list[float]]:
     return fns, weights
 
 
-def run_trl(cfg: Any, model_path: str, out_dir: Path) -> dict[str, Any]:
+def run_trl(cfg: Any, model_path: str, out_dir: Path, threads: int) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    torch.set_num_threads(threads)
     t, p = cfg.trainer, cfg.policy
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -224,6 +239,7 @@ def run_trl(cfg: Any, model_path: str, out_dir: Path) -> dict[str, Any]:
     return {
         "steps": len(step_times),
         "train_s": train_s,
+        "sum_step_time_s": sum(step_times),
         "startup_s": wall - train_s,
         "wall_s": wall,
         "s_per_step": train_s / len(step_times),
@@ -231,6 +247,7 @@ def run_trl(cfg: Any, model_path: str, out_dir: Path) -> dict[str, Any]:
         "step_time_s": step_times,
         "reward_mean": timer.rewards,
         "load_avg_1m_before": load,
+        "torch_threads": threads,
         "trl_args": {k: v for k, v in args.to_dict().items() if k in TRL_ARGS_SHOWN},
     }
 
@@ -248,7 +265,11 @@ def summarize(rewards: list[float]) -> dict[str, float]:
 
 
 def plot(results: dict[str, Any], path: str) -> None:
-    """Reward per step (left) and cumulative training time per step (right), forge vs TRL."""
+    """Mean reward per step against the step (left) and against training time (right).
+
+    forge's per-step times (``step_time_s``) leave out the work between steps (logging), so on
+    the time axis they are scaled to add up to the loop's wall time; TRL's are wall times.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -259,17 +280,17 @@ def plot(results: dict[str, Any], path: str) -> None:
         r = results[system]
         steps = list(range(1, len(r["reward_mean"]) + 1))
         ax1.plot(steps, r["reward_mean"], style, label=f"{system} (last {SUMMARY_WINDOW}: {r['reward_last']:.2f})")
+        scale = r["train_s"] / r["sum_step_time_s"]
         elapsed, total = [], 0.0
         for s in r["step_time_s"]:
-            total += s
+            total += s * scale
             elapsed.append(total)
-        ax2.plot(range(1, len(elapsed) + 1), elapsed, style, label=f"{system} ({r['s_per_step']:.2f} s/step)")
+        ax2.plot(elapsed, r["reward_mean"], style, label=f"{system} ({r['s_per_step']:.2f} s/step)")
     ax1.set_xlabel("step")
-    ax1.set_ylabel("mean reward of the step's batch")
-    ax1.set_ylim(0, 1)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("training time (s)")
+    ax2.set_xlabel("training time (s)")
     for ax in (ax1, ax2):
+        ax.set_ylabel("mean reward of the step's batch")
+        ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend()
     s = results["settings"]
@@ -300,6 +321,7 @@ def main() -> None:
     parser.add_argument("--plot", help="write a PNG plot of the results to this file")
     parser.add_argument("--from-json", help="skip the run: print and plot the results in this JSON file")
     parser.add_argument("--work-dir", default="outputs/vs_trl", help="where both runs write their outputs")
+    parser.add_argument("--trl-threads", type=int, default=TRL_THREADS, help="torch threads of the TRL process")
     parser.add_argument("--only", choices=["forge", "trl"], help="run one system (for profiling; no ratios)")
     args = parser.parse_args()
 
@@ -331,7 +353,7 @@ def main() -> None:
             if system == "forge":
                 r = run_forge(cfg, args.config, args.overrides, work / "forge")
             else:
-                r = run_trl(cfg, model_path, work / "trl")
+                r = run_trl(cfg, model_path, work / "trl", args.trl_threads)
             r.update(summarize(r["reward_mean"]))
             results[system] = r
             print(f"{system}: {r['steps']} steps, {r['s_per_step']:.3f} s/step, startup {r['startup_s']:.1f} s, "

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import MISSING
+
 
 @dataclass(kw_only=True)
 class TinyModel:
@@ -32,8 +34,8 @@ class TinyModel:
 
 @dataclass(kw_only=True)
 class ModelSection:
-    path: str = "models/tiny"
-    """Hugging Face checkpoint folder shared by policy, reference and trainer."""
+    path: str = MISSING
+    """Hugging Face checkpoint folder shared by policy, reference and trainer (required)."""
     tiny: TinyModel = field(default_factory=TinyModel)
     """The tiny model to make at ``path`` if ``tiny.make_if_missing`` and none is there."""
 
@@ -78,7 +80,7 @@ class ReferenceSection(Placement):
 
 @dataclass(kw_only=True)
 class RewardSection(Placement):
-    fns: dict[str, float] = field(default_factory=lambda: {"toy_partial": 1.0})
+    fns: dict[str, float] = field(default_factory=lambda: {"toy": 1.0})
     """Reward functions (registry name or ``module:function``) and their weights."""
 
 
@@ -128,7 +130,8 @@ class RolloutSection:
     """Prompts in flight at once (each one group); 0 means ``prompts_per_step``."""
     max_buffered_groups: int = 0
     """Most groups buffered or in flight before rollouts wait; 0 means
-    ``prompts_per_step * (max_policy_age + 1)``."""
+    ``prompts_per_step * max(1, max_policy_age)``: what the next ``max_policy_age`` steps can
+    use. More would be evicted as stale before it trains: wasted generation."""
 
 
 @dataclass(kw_only=True)
@@ -208,4 +211,4 @@ class GRPOConfig:
 
     @property
     def max_buffered_groups(self) -> int:
-        return self.rollout.max_buffered_groups or self.prompts_per_step * (self.max_policy_age + 1)
+        return self.rollout.max_buffered_groups or self.prompts_per_step * max(1, self.max_policy_age)

@@ -1,6 +1,6 @@
 """GRPO on Monarch actors: a vLLM policy, a reference model, rewards, a trainer, a replay buffer.
 
-Run (the tiny model is made on the fly if missing; about 3 minutes on a 2-core CPU):
+Run (the tiny model is made on the fly if missing; about 2 minutes on a 2-core CPU):
 
     python -m apps.grpo.main --config configs/grpo_tiny.yaml
     python -m apps.grpo.main --config configs/grpo_tiny.yaml trainer.lr=3e-4 group_size=8
@@ -13,10 +13,11 @@ The loop, top to bottom:
    prompts in flight, routed by prompt) -> a reward and reference logprobs for every completion
    (both prebatched services) -> group-normalised advantages -> one group into the buffer.
 2. Training waits for ``prompts_per_step`` groups that are at most ``max_policy_age`` versions
-   old, takes one optimizer step, and syncs the new weights into every policy replica before
-   the next step. Rollouts never stop for training: what they sample while a step runs is one
-   version stale, and the loss's importance ratio (against the behaviour logprobs) with PPO
-   clipping corrects for it.
+   old, takes one optimizer step, and syncs the new weights into every policy replica after
+   every step (the policy loads them as soon as its generation batch in flight is done).
+   Rollouts never stop for training: what they sample while a step runs is one version stale,
+   and the loss's importance ratio (against the behaviour logprobs) with PPO clipping corrects
+   for it.
 
 Simplifications: one optimizer step per batch (no PPO epochs); advantages are per group, not
 per token; a group is trained on once; rollouts pause (backpressure) when
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -48,6 +50,7 @@ logger = logging.getLogger("forge.grpo")
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 class RoleFailed(Exception):
@@ -105,7 +108,7 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
         seed=cfg.seed,
         dtype=p.dtype,
         kv_cache_bytes=p.kv_cache_bytes,
-        engine_kwargs=dict(p.engine_kwargs),
+        engine_kwargs={"use_tqdm_on_load": False, **p.engine_kwargs},
     )
     reference_cfg = ReferenceConfig(model_path=model_path, temperature=p.temperature, dtype=cfg.reference.dtype)
     checkpoints = str(Path(cfg.logging.output_dir) / "checkpoints") if t.checkpoint_every else None
@@ -132,34 +135,48 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
         seed=cfg.seed,
         options=dict(cfg.data.options),
     )
-    # vLLM: one OpenMP thread (more were never faster for small models on shared cores) and
-    # only its errors on the terminal.
-    policy_env = {"OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR", **p.env}
+    # A role's failure ends the run (with a message naming it), so replicas are not restarted.
+    # Libraries' progress bars and notices stay off the terminal unless a role's env says
+    # otherwise; vLLM also gets one OpenMP thread (more were never faster for small models on
+    # shared cores).
+    quiet = {
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+        "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning:multiprocessing.resource_tracker",
+    }
+    policy_env = {**quiet, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR", **p.env}
     roles = Roles()
 
+    gpus = assign_gpus(cfg)
+
     async def policy() -> None:
+        _show_gpus(gpus["policy"])
         roles.policy = await Policy.options(
             name="policy", procs=p.procs, num_replicas=p.num_replicas, with_gpus=p.with_gpus,
-            env=policy_env, endpoint_routers={"generate": PromptAffinity},
+            env=policy_env, endpoint_routers={"generate": PromptAffinity}, max_restarts=0,
         ).as_service(policy_cfg)
 
     async def reference() -> None:
+        _show_gpus(gpus["reference"])
         r = cfg.reference
         roles.reference = await ReferenceModel.options(
             name="reference", procs=r.procs, num_replicas=r.num_replicas, with_gpus=r.with_gpus,
-            env=dict(r.env), router="least_loaded",
+            env={**quiet, **r.env}, router="least_loaded", max_restarts=0,
         ).as_service(reference_cfg)
 
     async def reward() -> None:
+        _show_gpus(gpus["reward"])
         r = cfg.reward
         roles.reward = await RewardActor.options(
             name="reward", procs=r.procs, num_replicas=r.num_replicas, with_gpus=r.with_gpus,
-            env=dict(r.env), router="least_loaded",
+            env={**quiet, **r.env}, router="least_loaded", max_restarts=0,
         ).as_service(dict(r.fns))
 
     async def trainer() -> None:
+        _show_gpus(gpus["trainer"])
         roles.trainer = await Trainer.options(
-            name="trainer", procs=t.procs, with_gpus=t.with_gpus, env=dict(t.env),
+            name="trainer", procs=t.procs, with_gpus=t.with_gpus, env={**quiet, **t.env},
         ).as_actor(trainer_cfg)
 
     async def local() -> None:
@@ -170,12 +187,55 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
         await asyncio.gather(roles.buffer.setup.call_one(), roles.dataset.setup.call_one())
 
     starters = {"policy": policy, "reference": reference, "reward": reward, "trainer": trainer, "buffer/dataset": local}
-    results = await asyncio.gather(*(fn() for fn in starters.values()), return_exceptions=True)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        results = await asyncio.gather(*(fn() for fn in starters.values()), return_exceptions=True)
+    finally:
+        _show_gpus(None if visible is None else visible.split(","), restore=True)
     for name, result in zip(starters, results):
         if isinstance(result, BaseException):
             await stop_roles(roles)
             raise RoleFailed(name, _describe(result)) from result
     return roles
+
+
+GPU_ROLES = ("policy", "reference", "reward", "trainer")
+
+
+def assign_gpus(cfg: Any) -> dict[str, list[str] | None]:
+    """Disjoint GPU ids for the roles with ``with_gpus``, taken in order from the visible ones.
+
+    forge's provisioner splits GPUs among the replicas of *one* service; separate services
+    would each start counting at the first GPU, so the app gives each role its own slice.
+    """
+    from forge.controller.provisioner import visible_gpus
+
+    need = {}
+    for role in GPU_ROLES:
+        section = getattr(cfg, role)
+        if section.with_gpus:
+            need[role] = section.procs * (section.num_replicas if role != "trainer" else 1)
+    devices = visible_gpus() if need else []
+    if sum(need.values()) > len(devices):
+        wanted = ", ".join(f"{r} {n}" for r, n in need.items())
+        raise ValueError(
+            f"the roles with with_gpus need {sum(need.values())} GPUs ({wanted}) but {len(devices)} are visible "
+            f"({devices}); set CUDA_VISIBLE_DEVICES, or lower procs/num_replicas"
+        )
+    out: dict[str, list[str] | None] = dict.fromkeys(GPU_ROLES)
+    start = 0
+    for role, n in need.items():
+        out[role] = devices[start : start + n]
+        start += n
+    return out
+
+
+def _show_gpus(devices: list[str] | None, restore: bool = False) -> None:
+    """Make only ``devices`` visible to the next role started (None: leave or restore)."""
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    elif restore:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 
 
 async def stop_roles(roles: Roles, timeout_s: float = 60.0) -> None:
@@ -204,8 +264,13 @@ class Rollouts:
     """Continuous rollouts: ``concurrency`` workers, each turning one prompt into one group.
 
     Backpressure: a worker starts a new prompt only while fewer than ``max_buffered`` groups are
-    in flight or waiting in the buffer, so rollouts stay at most about one batch ahead of
-    training instead of producing groups that would be evicted as stale.
+    in flight or waiting in the buffer, so rollouts stay about ``max_policy_age`` batches ahead
+    of training instead of producing groups that would be evicted as stale.
+
+    Messages to the dataset and the buffer are coalesced: prompts are fetched ``concurrency`` at
+    a time, and finished groups go to the buffer together (whatever finished while the last
+    ``add_many`` was in flight), so these light roles cost a few messages a step, not two per
+    group.
     """
 
     def __init__(self, roles: Roles, group_size: int, concurrency: int, max_buffered: int) -> None:
@@ -218,16 +283,14 @@ class Rollouts:
         self.room = asyncio.Condition()
         self.added = asyncio.Event()
         self._ids = itertools.count()
-        self._tasks: list[asyncio.Task] = []
+        self._prompts: collections.deque[Any] = collections.deque()
+        self._fetching = asyncio.Lock()
+        self._pending: list[tuple[Any, asyncio.Future]] = []
+        self._storing = False
 
     def start(self) -> list[asyncio.Task]:
-        self._tasks = [asyncio.create_task(self._worker(i), name=f"rollout-{i}") for i in range(self.concurrency)]
-        return self._tasks
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Start the workers; the caller owns (and cancels) the returned tasks."""
+        return [asyncio.create_task(self._worker(i), name=f"rollout-{i}") for i in range(self.concurrency)]
 
     async def taken(self, n: int) -> None:
         """Training took ``n`` groups out of the buffer (or they were evicted)."""
@@ -240,10 +303,46 @@ class Rollouts:
             async with self.room:
                 await self.room.wait_for(lambda: self.outstanding < self.max_buffered)
                 self.outstanding += 1
-            group = await self.one_group()
-            await _call("buffer", self.roles.buffer.add.call_one(group))
-            self.groups_added += 1
-            self.added.set()
+            await self._store(await self.one_group())
+
+    async def _next_prompt(self) -> Any:
+        async with self._fetching:
+            if not self._prompts:
+                self._prompts.extend(await _call("dataset", self.roles.dataset.sample_many.call_one(self.concurrency)))
+            return self._prompts.popleft()
+
+    async def _store(self, group: Any) -> None:
+        """Add ``group`` to the buffer; the first waiter sends everyone's groups in one message."""
+        done = asyncio.get_running_loop().create_future()
+        self._pending.append((group, done))
+        if self._storing:
+            return await done
+        self._storing = True
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                try:
+                    await _call("buffer", self.roles.buffer.add_many.call_one([g for g, _ in batch]))
+                except BaseException as exc:
+                    # Everyone waiting shares the fate of the message (the leader re-raises).
+                    for _, fut in batch + self._pending:
+                        if fut is done or fut.done():
+                            continue
+                        if isinstance(exc, asyncio.CancelledError):
+                            fut.cancel()
+                        else:
+                            fut.set_exception(exc)
+                    self._pending = []
+                    done.cancel()
+                    raise
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_result(None)
+                self.groups_added += len(batch)
+                self.added.set()
+        finally:
+            self._storing = False
+        await done
 
     async def one_group(self) -> Any:
         """Prompt -> completions -> rewards and reference logprobs -> scored episodes."""
@@ -255,7 +354,7 @@ class Rollouts:
         from forge.types import Episode, EpisodeBatch
 
         roles = self.roles
-        prompt = await _call("dataset", roles.dataset.sample.call_one())
+        prompt = await self._next_prompt()
         t0 = time.perf_counter()
         group = await _call("policy", roles.policy.generate.route(prompt, key=prompt_key(prompt)))
         t1 = time.perf_counter()
@@ -299,49 +398,70 @@ async def _call(role: str, awaitable: Any) -> Any:
 
 # ----------------------------------------------------------------------------- training
 async def train(cfg: Any, roles: Roles, rollouts: Rollouts, log: "RunLog") -> None:
-    """The step loop: wait for a batch, one optimizer step, weight sync, log."""
+    """The step loop: wait for a batch, one optimizer step, weight sync, log.
+
+    The new weights are taken from the trainer right after its step; loading them into the
+    policy (which first finishes the generation batch in flight) overlaps the next step's wait
+    and is awaited before the next sync. With ``max_policy_age=0`` it is awaited at once.
+    """
     from forge.types import EpisodeBatch
 
     version = 0
-    for step in range(1, cfg.steps + 1):
-        t0 = time.perf_counter()
-        groups = await wait_for_batch(cfg, roles, rollouts, version)
-        t1 = time.perf_counter()
-        batch = EpisodeBatch.concat(groups)
-        stats = await _call("trainer", roles.trainer.train_step.call_one(batch))
-        t2 = time.perf_counter()
-        version = int(stats["policy_version"])
-        await sync_weights(cfg, roles)
-        t3 = time.perf_counter()
-        if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
-            await _call("trainer", roles.trainer.save_checkpoint.call_one())
-        await log.step(
-            step,
-            {
-                "reward_mean": float(batch.rewards.mean()),
-                "reward_max": float(batch.rewards.max()),
-                "loss": stats["loss"],
-                "kl": stats["kl"],
-                "clip_fraction": stats.get("clip_fraction", 0.0),
-                "ratio_mean": stats.get("ratio_mean", 1.0),
-                "grad_norm": stats["grad_norm"],
-                "policy_version": version,
-                "policy_age_mean": float((version - 1 - batch.policy_versions).float().mean()),
-                "response_len_mean": float(batch.response_lens.float().mean()),
-                "step_time_s": t3 - t0,
-                "wait_s": t1 - t0,
-                "train_s": t2 - t1,
-                "sync_s": t3 - t2,
-            },
-            roles,
-        )
+    pushing: asyncio.Task | None = None
+    try:
+        for step in range(1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            groups = await wait_for_batch(cfg, roles, rollouts, version)
+            t1 = time.perf_counter()
+            batch = EpisodeBatch.concat(groups)
+            stats = await _call("trainer", roles.trainer.train_step.call_one(batch))
+            t2 = time.perf_counter()
+            version = int(stats["policy_version"])
+            weights = await fetch_weights(cfg, roles)
+            if pushing is not None:
+                await pushing
+            pushing = asyncio.create_task(push_weights(cfg, roles, *weights), name=f"push-weights-v{version}")
+            if cfg.max_policy_age == 0:
+                await pushing
+            t3 = time.perf_counter()
+            if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
+                await _call("trainer", roles.trainer.save_checkpoint.call_one())
+            await log.step(
+                step,
+                {
+                    "reward_mean": float(batch.rewards.mean()),
+                    "reward_max": float(batch.rewards.max()),
+                    "loss": stats["loss"],
+                    "kl": stats["kl"],
+                    "clip_fraction": stats.get("clip_fraction", 0.0),
+                    "ratio_mean": stats.get("ratio_mean", 1.0),
+                    "grad_norm": stats["grad_norm"],
+                    "policy_version": version,
+                    "policy_age_mean": float((version - 1 - batch.policy_versions).float().mean()),
+                    "response_len_mean": float(batch.response_lens.float().mean()),
+                    "step_time_s": t3 - t0,
+                    "wait_s": t1 - t0,
+                    "train_s": t2 - t1,
+                    "sync_wait_s": t3 - t2,
+                },
+                roles,
+            )
+        if pushing is not None:
+            await pushing
+    finally:
+        if pushing is not None and not pushing.done():
+            pushing.cancel()
+            await asyncio.gather(pushing, return_exceptions=True)
 
 
 async def wait_for_batch(cfg: Any, roles: Roles, rollouts: Rollouts, version: int) -> list[list[Any]]:
     """``prompts_per_step`` groups fresh enough for ``version``; waits for rollouts if needed."""
+    from forge.observability import record_metric
+
     while True:
         rollouts.added.clear()
         sample = await _call("buffer", roles.buffer.sample.call_one(cfg.prompts_per_step, version))
+        record_metric("buffer/evicted_groups", sample.evicted, "sum")
         taken = sample.evicted + (len(sample.groups) if sample.groups is not None else 0)
         if taken:
             await rollouts.taken(taken)
@@ -350,15 +470,26 @@ async def wait_for_batch(cfg: Any, roles: Roles, rollouts: Rollouts, version: in
         await rollouts.added.wait()
 
 
-async def sync_weights(cfg: Any, roles: Roles) -> int:
-    """Publish the trainer's weights to every policy replica; returns their version."""
+async def fetch_weights(cfg: Any, roles: Roles) -> tuple[Any, int]:
+    """The trainer's current weights, as the configured transport carries them, and their version."""
     if cfg.weight_sync.transport == "file":
-        path, version = await _call("trainer", roles.trainer.publish_weights.call_one(cfg.weight_sync.dir))
-        await _call("policy", roles.policy.update_weights.fanout(path, version))
-    else:
-        state_dict, version = await _call("trainer", roles.trainer.weights.call_one())
-        await _call("policy", roles.policy.update_weights.fanout(state_dict, version))
+        return await _call("trainer", roles.trainer.publish_weights.call_one(cfg.weight_sync.dir))
+    return await _call("trainer", roles.trainer.weights.call_one())
+
+
+async def push_weights(cfg: Any, roles: Roles, weights: Any, version: int) -> int:
+    """Load ``weights`` (a state dict or a file path) into every policy replica."""
+    from forge.observability import record_metric
+
+    t0 = time.perf_counter()
+    await _call("policy", roles.policy.update_weights.fanout(weights, version))
+    record_metric("weight_sync/push_s", time.perf_counter() - t0)
     return version
+
+
+async def sync_weights(cfg: Any, roles: Roles) -> int:
+    """Publish the trainer's weights to every policy replica and wait; returns their version."""
+    return await push_weights(cfg, roles, *(await fetch_weights(cfg, roles)))
 
 
 # ----------------------------------------------------------------------------- logging
@@ -386,7 +517,7 @@ class RunLog:
         """Log one step: ``metrics`` plus what the services recorded since the last step."""
         from forge.observability import drain_local_metrics
 
-        drains = [svc.drain_metrics.fanout() for svc in roles.services().values()]
+        drains = [_call(name, svc.drain_metrics.fanout()) for name, svc in roles.services().items()]
         for records in await asyncio.gather(*drains):
             for replica_records in records:
                 self.aggregator.extend(replica_records)
@@ -432,30 +563,42 @@ class RunLog:
 
 
 # ----------------------------------------------------------------------------- the run
+ROLE_MESH_PREFIXES = ("policy", "reference", "reward", "trainer")
+
+
 class _FailureWatch:
-    """Turns a role's process death (Monarch's fault hook) into a prompt, named failure."""
+    """Turns a role's process death (Monarch's fault hook) into a prompt failure naming the role.
+
+    A role that dies while nobody is calling it (e.g. the trainer while the controller waits
+    for rollouts) would otherwise be noticed only at its next call.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.failed = asyncio.Event()
-        self.message = ""
+        self.error: RoleFailed | None = None
+        self.stopping = False
 
     def __call__(self, failure: Any) -> bool:
-        mesh = str(getattr(failure, "mesh_name", "?"))
-        role = next((r for r in ("policy", "reference", "reward", "trainer") if mesh.startswith(r)), mesh)
+        if self.stopping:
+            return True  # processes killed at shutdown (past their exit timeout) are expected
+        mesh = str(getattr(failure, "mesh_name", ""))
+        role = next((r for r in ROLE_MESH_PREFIXES if mesh.startswith(r)), None)
+        if role is None:  # e.g. the hidden "logger-*" mesh that dies with every process
+            return False
 
         def mark() -> None:
-            if not self.failed.is_set():
-                self.message = f"role '{role}' failed: its process died (mesh {mesh})"
+            if self.error is None:
+                self.error = RoleFailed(role, f"its process died (mesh {mesh})")
                 self.failed.set()
 
         self.loop.call_soon_threadsafe(mark)
-        return False  # let the owning service see it too
+        return False  # the owning service must see it too
 
 
 async def run(cfg: Any, terminal: Any) -> str:
     """Start the roles, train, and stop everything; returns the summary line."""
-    from forge.controller.provisioner import add_fault_listener, remove_fault_listener
+    from forge.controller.provisioner import add_fault_listener
 
     t_start = time.perf_counter()
     model_path = prepare_model(cfg)
@@ -464,39 +607,35 @@ async def run(cfg: Any, terminal: Any) -> str:
     roles = Roles()
     log: RunLog | None = None
     rollouts: Rollouts | None = None
+    tasks: list[asyncio.Task] = []
     try:
         roles = await start_roles(cfg, model_path)
         startup_s = time.perf_counter() - t_start
         log = RunLog(cfg, terminal)
         rollouts = Rollouts(roles, cfg.group_size, cfg.rollout_concurrency, cfg.max_buffered_groups)
-        workers = rollouts.start()
-        trainer_task = asyncio.create_task(train(cfg, roles, rollouts, log), name="train")
+        training = asyncio.create_task(train(cfg, roles, rollouts, log), name="train")
         watcher = asyncio.create_task(watch.failed.wait(), name="failure-watch")
-        done, _ = await asyncio.wait({trainer_task, watcher, *workers}, return_when=asyncio.FIRST_COMPLETED)
-        if trainer_task in done:
-            trainer_task.result()  # raises the training loop's error, if any
-        elif watcher in done:
-            raise RuntimeError(watch.message)
-        else:
-            for task in done:
-                task.result()  # a rollout worker never returns; it raised
-        for task in (trainer_task, watcher):
-            task.cancel()
+        tasks = [training, watcher, *rollouts.start()]
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:
+            raise watch.error  # type: ignore[misc]
+        for task in done:
+            task.result()  # the training loop's error, or a rollout worker's (they never return)
         log.close()
         plot = log.plot()
-        elapsed = time.perf_counter() - t_start
-        return log.summary(elapsed, startup_s) + (f"; plot {plot}" if plot else "")
-    except Exception:
-        if watch.failed.is_set():  # the process death is the root cause; say so first
-            raise RuntimeError(watch.message)
+        return log.summary(time.perf_counter() - t_start, startup_s) + (f"; plot {plot}" if plot else "")
+    except Exception as exc:
+        if watch.error is not None and exc is not watch.error:
+            raise watch.error from exc  # the process death is the root cause: name it
         raise
     finally:
-        if rollouts is not None:
-            await rollouts.stop()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if log is not None:
             log.close()
+        watch.stopping = True  # stays installed: late reports of stopped processes are silenced
         await stop_roles(roles)
-        remove_fault_listener(watch)
 
 
 def prepare_model(cfg: Any) -> str:
@@ -522,9 +661,41 @@ def parse_args(argv: list[str] | None) -> tuple[str, list[str]]:
     return args.config, args.overrides
 
 
+class Terminated(Exception):
+    """SIGTERM arrived; the run was stopped cleanly."""
+
+
+async def _run_until_signalled(cfg: Any, terminal: Any) -> str:
+    """``run``, with SIGTERM handled like Ctrl-C: cancel, stop every role, then exit."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    terminated = False
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await run(cfg, terminal)
+    except asyncio.CancelledError:
+        if terminated:
+            raise Terminated() from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: returns the process exit code."""
     quiet_monarch()
+    import monarch.config
+
+    # Role processes linger after their actors stop (library threads); give them 1 s, not 10.
+    monarch.config.configure(process_exit_timeout="1s")
     terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the progress bar bypasses the log filter
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config_path, overrides = parse_args(argv)
@@ -538,10 +709,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpo: bad config: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        summary = asyncio.run(run(cfg, terminal))
+        summary = asyncio.run(_run_until_signalled(cfg, terminal))
     except KeyboardInterrupt:
         print("grpo: interrupted; every role was stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print("grpo: terminated (SIGTERM); every role was stopped", file=sys.stderr)
+        return EXIT_TERMINATED
     except (RoleFailed, ForgeError, RuntimeError, FileNotFoundError, ValueError) as exc:
         print(f"grpo: FAILED: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -252,6 +252,12 @@ class Policy(ForgeActor):
         """Policy version of the weights being served."""
         return self.engine.version
 
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        """Monarch's stop hook: shut the engine down so the process can exit at once."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
     @endpoint
     async def drain_metrics(self) -> list[tuple[str, float, str]]:
         """Metric records made here since the last drain (``forge.observability``)."""

@@ -121,6 +121,13 @@ class ReplayBuffer(ForgeActor):
         return len(self.buffer)
 
     @endpoint
+    async def add_many(self, groups: list[EpisodeBatch]) -> int:
+        """Store several groups (one message for all); returns the number of groups held."""
+        for group in groups:
+            self.buffer.add(group)
+        return len(self.buffer)
+
+    @endpoint
     async def sample(self, num_groups: int, policy_version: int) -> Sample:
         """``num_groups`` groups fresh enough for ``policy_version`` (None if too few are held),
         and how many stale groups were evicted on the way."""

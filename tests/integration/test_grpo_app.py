@@ -1,0 +1,103 @@
+"""The GRPO app end to end, as a user runs it: ``python -m apps.grpo.main --config ...``.
+
+Each test starts the app in a subprocess with the tiny config shrunk by overrides (a few steps,
+a few prompts), so it exercises the real roles: vLLM policy, reference, reward and trainer
+processes, the buffer and dataset actors, weight sync and shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(180)
+
+REQUIRED_KEYS = {"step", "reward_mean", "loss", "kl", "step_time_s", "policy_version"}
+_reward_calls = 0
+
+
+def crash_after_warmup(prompt, response_text):  # noqa: ANN001  (a reward function)
+    """A reward function whose process dies on its 41st call: a role failing mid-run."""
+    global _reward_calls
+    _reward_calls += 1
+    if _reward_calls > 40:
+        os._exit(3)
+    return 0.5
+
+
+def _app(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    args = [
+        sys.executable, "-m", "apps.grpo.main", "--config", "configs/grpo_tiny.yaml",
+        "steps=3", "prompts_per_step=4", "group_size=4",
+        f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path / 'out'}",
+        "logging.progress_bar=false", f"weight_sync.dir={tmp_path / 'weights'}",
+        *overrides,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the app did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+def test_app_trains_a_few_steps_and_writes_metrics_and_plot(tmp_path: Path) -> None:
+    """A 3-step run exits 0 with metrics.jsonl (required keys, one line a step), the PNG and a summary."""
+    code, out, err = _finish(_app(tmp_path))
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(REQUIRED_KEYS <= set(r) for r in rows), rows[0].keys()
+    assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    assert (tmp_path / "out" / "reward_loss.png").stat().st_size > 0
+    assert "grpo: 3 steps" in out and "reward first-3" in out
+
+
+def test_role_failure_stops_the_run_with_a_clear_message(tmp_path: Path) -> None:
+    """The reward process dying mid-run ends the app promptly, exit code != 0, naming the role."""
+    started = time.monotonic()
+    code, out, err = _finish(
+        _app(tmp_path, "steps=50", "reward.fns={tests.integration.test_grpo_app:crash_after_warmup: 1.0}"), timeout=120
+    )
+    assert code != 0
+    assert "role 'reward' failed" in err, err[-3000:]
+    assert time.monotonic() - started < 110
+
+
+def test_ctrl_c_stops_every_role_and_exits_130(tmp_path: Path) -> None:
+    """SIGINT during training shuts the roles down and exits with 130, leaving no child behind."""
+    import psutil
+
+    proc = _app(tmp_path, "steps=1000")
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _, out, err = _finish(proc, timeout=5)
+            pytest.fail(f"the app never got to step 2\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
+        time.sleep(0.5)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "the roles' processes should be children of the app"
+    proc.send_signal(signal.SIGINT)
+    code, out, err = _finish(proc, timeout=60)
+    assert code == 130, f"exit code {code}\nstderr:\n{err[-3000:]}"
+    assert "interrupted" in err
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"processes left behind: {[p.pid for p in alive]}"

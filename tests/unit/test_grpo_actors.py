@@ -1,0 +1,180 @@
+"""The GRPO roles' own logic: routing keys, packing, length buckets, rewards, the trainer step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from forge.actors.policy import PackedGroups, PromptAffinity, PromptKey, prompt_key
+from forge.actors.reference_model import PackedPairs, ReferenceModel, length_bucket
+from forge.actors.reward import RewardActor, resolve_reward
+from forge.controller.routing import RouteRequest
+from forge.types import Completion, Episode, EpisodeBatch, Prompt
+
+
+@dataclass
+class _Replica:
+    replica_id: int
+    in_flight: int = 0
+
+    def has_forming(self, endpoint: str, key: object) -> bool:
+        return True  # every PromptKey "has a batch forming": affinity must ignore it
+
+
+def _prompt(text: str) -> Prompt:
+    return Prompt(prompt_id=text, text=text, answer=text[::-1])
+
+
+# ------------------------------------------------------------------ policy routing and packing
+def test_prompt_keys_batch_together_but_route_apart():
+    """Every PromptKey is one batch key; PromptAffinity still spreads prompts by their text."""
+    a, b = prompt_key(_prompt("123=")), prompt_key(_prompt("456="))
+    assert a == b and hash(a) == hash(b)
+    replicas = [_Replica(i) for i in range(4)]
+    router = PromptAffinity()
+    owners = {text: router.choose(RouteRequest("generate", prompt_key(_prompt(text))), replicas).replica_id
+              for text in (f"{i:03d}=" for i in range(40))}
+    assert len(set(owners.values())) == 4  # spread over every replica
+    again = router.choose(RouteRequest("generate", PromptKey("007=")), replicas).replica_id
+    assert again == owners["007="]  # the same prompt (a retry) goes back to its owner
+
+
+def test_prompt_affinity_spills_off_an_overloaded_owner():
+    """Affinity yields to the load bound: a hot owner's prompts go to the least-loaded replica."""
+    router = PromptAffinity(load_factor=1.0, slack=0)
+    replicas = [_Replica(0), _Replica(1)]
+    owner = router.choose(RouteRequest("generate", PromptKey("1=")), replicas)
+    owner.in_flight = 10
+    other = router.choose(RouteRequest("generate", PromptKey("1=")), replicas)
+    assert other is not owner
+
+
+def test_packed_groups_round_trip_without_views():
+    """PackedGroups.unpack gives back every completion; its tensors own their storage."""
+    prompts = [_prompt("12="), _prompt("3456=")]
+    outputs = [
+        [Completion(torch.tensor([4, 5, 6]), torch.arange(k + 1), -torch.rand(k + 1), f"t{k}", 3) for k in range(2)]
+        for _ in prompts
+    ]
+    outputs[1] = [Completion(torch.tensor([7, 8, 9, 10, 11]), c.token_ids, c.logprobs, c.text, 3) for c in outputs[1]]
+    groups = PackedGroups.pack(prompts, outputs, group_size=2, version=3).unpack()
+    assert [g.prompt.text for g in groups] == ["12=", "3456="]
+    for group, expected in zip(groups, outputs):
+        for got, want in zip(group.completions, expected):
+            assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.logprobs, want.logprobs)
+            assert torch.equal(got.prompt_ids, want.prompt_ids) and got.text == want.text and got.policy_version == 3
+            assert got.token_ids.untyped_storage().nbytes() == got.token_ids.numel() * 8  # not a view
+
+
+# ------------------------------------------------------------------ reference packing and buckets
+def test_short_sequences_share_a_bucket_and_long_ones_pad_little():
+    """Lengths up to 32 share bucket 0; above, a bucket's longest is < 1.25x its shortest + 1."""
+    pair = lambda n: (torch.zeros(1, dtype=torch.long), torch.zeros(n - 1, dtype=torch.long))  # noqa: E731
+    assert {length_bucket(pair(n)) for n in range(2, 33)} == {0}
+    by_bucket: dict[int, list[int]] = {}
+    for n in range(33, 2000):
+        by_bucket.setdefault(length_bucket(pair(n)), []).append(n)
+    assert all(max(ns) <= 1.25 * min(ns) + 1 for ns in by_bucket.values())
+    assert sorted(by_bucket) == list(range(1, len(by_bucket) + 1))  # monotonic, no gaps
+
+
+def test_reference_enbatch_and_debatch_round_trip():
+    """pack_pairs/split_logprobs keep each caller's tensors apart, in order."""
+    pairs = [(torch.tensor([1, 2]), torch.tensor([3])), (torch.tensor([4]), torch.tensor([5, 6, 7]))]
+    packed = ReferenceModel.pack_pairs(pairs)
+    assert isinstance(packed, PackedPairs)
+    prompts, responses = packed.unpack()
+    assert [p.tolist() for p in prompts] == [[1, 2], [4]] and [r.tolist() for r in responses] == [[3], [5, 6, 7]]
+    flat = torch.tensor([-1.0, -2.0, -3.0, -4.0])
+    out = ReferenceModel.split_logprobs((flat, packed.response_lens), 2)
+    assert [t.tolist() for t in out] == [[-1.0], [-2.0, -3.0, -4.0]]
+    with pytest.raises(ValueError, match="2 results for 3 pairs"):
+        ReferenceModel.split_logprobs((flat, packed.response_lens), 3)
+
+
+# ------------------------------------------------------------------ rewards
+def half(prompt: Prompt, text: str) -> float:
+    return 0.5
+
+
+def fails_on_x(prompt: Prompt, text: str) -> float:
+    if text == "x":
+        raise RuntimeError("boom")
+    return 1.0
+
+
+def test_reward_functions_resolve_by_registry_name_or_import_path():
+    """'toy' comes from forge.data's registry; 'module:function' imports the function."""
+    assert resolve_reward("toy")(Prompt("p", "123=", "321"), "321") == pytest.approx(1.0)
+    assert resolve_reward(f"{__name__}:half") is half
+    with pytest.raises(ValueError, match="cannot be imported"):
+        resolve_reward(f"{__name__}:missing")
+    with pytest.raises(KeyError, match="unknown reward"):
+        resolve_reward("no_such_reward")
+
+
+async def test_reward_actor_weights_functions_and_isolates_failures():
+    """Scores are the weighted sum of the functions; a failing pair fails alone, by name."""
+    from monarch.actor import this_proc
+
+    actor = this_proc().spawn("reward_test", RewardActor, {f"{__name__}:half": 2.0, f"{__name__}:fails_on_x": 1.0})
+    try:
+        await actor.setup.call_one()
+        p = _prompt("1=")
+        scores = await actor.score.call_one([(p, "a"), (p, "x"), (p, "b")])
+        assert scores[0] == scores[2] == pytest.approx(2.0)
+        assert isinstance(scores[1], ValueError) and "fails_on_x" in str(scores[1])
+    finally:
+        await actor.stop()
+
+
+# ------------------------------------------------------------------ trainer
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from forge.models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("trainer") / "tiny", hidden_size=64, init_std=0.1)
+
+
+def _on_policy_batch(model_dir: Path, temperature: float) -> EpisodeBatch:
+    """Episodes whose behaviour logprobs are the initial model's own (ratio exactly 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from forge.models import sequence_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(1)
+    prompts = [torch.randint(4, 64, (n,)) for n in (3, 5, 4, 4)]
+    responses = [torch.randint(4, 64, (n,)) for n in (2, 4, 1, 3)]
+    lps = sequence_logprobs(model, prompts, responses, temperature)
+    episodes = [
+        Episode(f"g{i // 2}", p, r, lp, lp.clone(), float(i % 2), 1.0 if i % 2 else -1.0, 0)
+        for i, (p, r, lp) in enumerate(zip(prompts, responses, lps))
+    ]
+    return EpisodeBatch.pack(episodes)
+
+
+async def test_trainer_step_is_on_policy_bumps_version_and_publishes_tensors(model_dir: Path):
+    """On-policy data gives ratio 1 and no clipping; each step bumps the version; weights are tensors."""
+    from monarch.actor import this_proc
+
+    from forge.actors.trainer import Trainer, TrainerConfig
+
+    trainer = this_proc().spawn("trainer_test", Trainer, TrainerConfig(model_path=str(model_dir), temperature=0.7, lr=1e-2))
+    try:
+        await trainer.setup.call_one()
+        before, version = await trainer.weights.call_one()
+        assert version == 0 and "lm_head.weight" not in before  # tied head is left out
+        assert all(isinstance(t, torch.Tensor) for t in before.values())
+        stats = await trainer.train_step.call_one(_on_policy_batch(model_dir, temperature=0.7))
+        assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert stats["clip_fraction"] == 0.0 and stats["kl"] == pytest.approx(0.0, abs=1e-6)
+        assert stats["policy_version"] == 1.0
+        after, version = await trainer.weights.call_one()
+        assert version == 1
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    finally:
+        await trainer.stop()
