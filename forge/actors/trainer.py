@@ -212,7 +212,14 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def cleanup(self) -> None:
-        """Remove published weight files."""
+        """Remove the weight files this trainer published."""
+        self._remove_published()
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        """Monarch's stop hook: published weight files must not outlive the run."""
+        self._remove_published()
+
+    def _remove_published(self) -> None:
         for path in self._published:
             if os.path.exists(path):
                 os.remove(path)
