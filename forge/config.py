@@ -122,9 +122,28 @@ def _merge_checked(cfg: DictConfig, layer: DictConfig, schema_cls: type, source:
     """Merge ``layer`` over ``cfg``, turning OmegaConf's errors into ``ConfigError`` s."""
     _check_sections(cfg, layer, prefix="", source=source)
     try:
-        return OmegaConf.merge(cfg, layer)
+        merged = OmegaConf.merge(cfg, layer)
+        _mark_missing(merged, layer)
+        return merged
     except oc_errors.OmegaConfBaseException as e:
         raise _translate(e, schema_cls, source) from None
+
+
+def _mark_missing(cfg: DictConfig, layer: DictConfig) -> None:
+    """Make every ``???`` of ``layer`` required in ``cfg``.
+
+    OmegaConf's merge keeps the old value where the incoming one is ``???``, so a YAML file
+    could not mark a field required (e.g. ``model.path: ???`` in a GPU config) where the
+    schema has a default; a config that says "you must set this" should mean it.
+    """
+    for key in layer.keys():
+        node = layer._get_node(key)
+        if OmegaConf.is_dict(node) and not node._is_none() and not node._is_missing():
+            target = cfg._get_node(key)
+            if OmegaConf.is_dict(target) and not target._is_none():
+                _mark_missing(target, node)
+        elif OmegaConf.is_missing(layer, key):
+            cfg[key] = "???"
 
 
 def _check_sections(cfg: DictConfig, layer: DictConfig, prefix: str, source: str) -> None:
@@ -140,6 +159,8 @@ def _check_sections(cfg: DictConfig, layer: DictConfig, prefix: str, source: str
             continue  # unknown keys are reported by OmegaConf with their full path
         target = cfg._get_node(key)
         incoming = layer._get_node(key)
+        if target._is_none() or target._is_missing() or incoming._is_none() or incoming._is_missing():
+            continue  # an optional section set or unset as a whole: OmegaConf checks it
         if OmegaConf.is_dict(target) and OmegaConf.get_type(target) not in (dict, None):
             if not OmegaConf.is_dict(incoming):
                 if OmegaConf.is_list(incoming):
@@ -200,8 +221,18 @@ def _schema_at(schema_cls: type, dotted: str) -> Any:
         hints = typing.get_type_hints(node)
         if part not in hints:
             return None
-        node = hints[part]
+        node = _unwrap_optional(hints[part])
     return node
+
+
+def _unwrap_optional(hint: Any) -> Any:
+    """``X | None`` (or ``Optional[X]``) -> ``X``; any other hint unchanged."""
+    args = typing.get_args(hint)
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return hint
 
 
 def _expected_type(schema_cls: type, dotted: str) -> str | None:

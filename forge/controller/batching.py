@@ -9,6 +9,9 @@ each batched endpoint. The contract, clause by clause (each has a test):
   item has waited ``max_wait_s``.
 - A batch is *closed* only when an execution slot (``max_concurrent_batches``) is free, so while
   the slots are busy the forming batch keeps growing instead of queueing half-empty batches.
+  With ``send_full=True`` a batch that is full (it cannot grow) starts even when the slots are
+  taken: the replica uses it for endpoints whose actor runs one message at a time, where the
+  batch then waits in the actor's mailbox instead of in the controller.
 - One queue per key: items of different keys never share a batch; a queue that runs empty is
   removed, so keys cost nothing once idle.
 - A key's queue can be held back (``runnable(key)`` is False, e.g. its model is loading): it
@@ -167,6 +170,7 @@ class Batcher:
         name: str = "batcher",
         clock: Callable[[], float] = time.monotonic,
         runnable: Callable[[Hashable], bool] | None = None,
+        send_full: bool = False,
     ) -> None:
         """``runnable(key)``, if given, holds back a key's queue while it returns False (the
         queue keeps growing; e.g. a multiplexed model that is still loading). Call ``wake()``
@@ -178,7 +182,8 @@ class Batcher:
         self._clock = clock
         self._runnable = runnable
         self._queues: dict[Hashable, _KeyQueue] = {}
-        self._free_slots = spec.max_concurrent_batches
+        self._free_slots = spec.max_concurrent_batches  # below 0 while full batches run past the slots
+        self._send_full = send_full
         self._wakeup = asyncio.Event()
         self._running: set[asyncio.Task] = set()
         self._dispatcher: asyncio.Task | None = None
@@ -216,9 +221,10 @@ class Batcher:
             queue = self._queues[key] = _KeyQueue()
         queue.items.append(_Pending(item, size, future, self._clock()))
         queue.total_size += size
-        if self._free_slots > 0 and queue.total_size >= self.spec.max_size and (self._runnable is None or self._runnable(key)):
-            # Full with a slot free: start it now. In a burst of singletons this sends the first
-            # batch before the rest of the burst has even been queued.
+        if ((self._free_slots > 0 or self._send_full) and queue.total_size >= self.spec.max_size
+                and (self._runnable is None or self._runnable(key))):
+            # Full with a slot free (or full batches may go past the slots): start it now. In a
+            # burst of singletons this sends the first batches before the rest is even queued.
             self._start(key)
         self._ensure_dispatcher()
         self._wakeup.set()
@@ -275,8 +281,8 @@ class Batcher:
         """Start each batch as soon as it is ready and a slot is free; forever."""
         while True:
             next_deadline = None
-            if self._free_slots > 0:
-                ready_key, next_deadline = self._ready()
+            if self._free_slots > 0 or self._send_full:
+                ready_key, next_deadline = self._ready(full_only=self._free_slots <= 0)
                 if ready_key is not _NO_KEY:
                     self._start(ready_key)
                     continue
@@ -287,8 +293,9 @@ class Batcher:
             except asyncio.TimeoutError:
                 pass
 
-    def _ready(self) -> tuple[Hashable, float | None]:
-        """The ready key whose first item is oldest (or _NO_KEY), and the next deadline."""
+    def _ready(self, full_only: bool = False) -> tuple[Hashable, float | None]:
+        """The ready key whose first item is oldest (or _NO_KEY), and the next deadline.
+        ``full_only``: only a full queue is ready (no slot is free; see ``send_full``)."""
         now = self._clock()
         ready_key: Hashable = _NO_KEY  # None is a valid key
         next_deadline = None
@@ -301,10 +308,10 @@ class Batcher:
             if self._runnable is not None and not self._runnable(key):
                 continue  # held back: it keeps growing until wake()
             deadline = queue.oldest() + self.spec.max_wait_s
-            if queue.total_size >= self.spec.max_size or deadline <= now:
+            if queue.total_size >= self.spec.max_size or (deadline <= now and not full_only):
                 if ready_key is _NO_KEY or queue.oldest() < self._queues[ready_key].oldest():
                     ready_key = key
-            elif next_deadline is None or deadline < next_deadline:
+            elif not full_only and (next_deadline is None or deadline < next_deadline):
                 next_deadline = deadline
         return ready_key, next_deadline
 

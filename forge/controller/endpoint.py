@@ -15,7 +15,10 @@ Called directly on an actor mesh it takes ``(model_id, batch)``.
 (Monarch runs one message at a time otherwise). A batched endpoint's
 ``max_concurrent_batches`` is how many of its batches may be in flight to one replica: without
 ``concurrent=True`` the extra ones wait in the actor's mailbox, which hides the round trip
-between batches; with it (e.g. an async engine) they also run at the same time.
+between batches; with it (e.g. an async engine) they also run at the same time. Without
+``concurrent=True`` a batch that is already *full* is sent even when those slots are taken (it
+cannot grow by waiting, and the actor runs one message at a time anyway), so a burst keeps the
+actor busy; only batches that could still grow wait for a slot.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from forge.controller.multiplex import multiplexed_method
 _BATCHING_ATTR = "_forge_batching"
 _RETRY_ATTR = "_forge_retry"
 _MULTIPLEXED_ATTR = "_forge_multiplexed"
+_CONCURRENT_ATTR = "_forge_concurrent"
 
 
 def endpoint(
@@ -88,6 +92,7 @@ def endpoint(
     setattr(prop, _BATCHING_ATTR, batch)
     setattr(prop, _RETRY_ATTR, retry)
     setattr(prop, _MULTIPLEXED_ATTR, multiplexed)
+    setattr(prop, _CONCURRENT_ATTR, concurrent)
     prop._forge_method = user_method  # the undecorated method, for checking calls' arguments
     return prop
 
@@ -99,6 +104,11 @@ def batching_of(prop: Any) -> Batching | None:
 
 def retry_allowed(prop: Any) -> bool:
     return getattr(prop, _RETRY_ATTR, True)
+
+
+def is_concurrent(prop: Any) -> bool:
+    """Whether the actor runs calls of this endpoint at the same time (``concurrent=True``)."""
+    return getattr(prop, _CONCURRENT_ATTR, False)
 
 
 def is_multiplexed(prop: Any) -> bool:

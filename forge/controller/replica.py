@@ -66,6 +66,8 @@ class ReplicaSpec:
     env: dict[str, str] = field(default_factory=dict)
     multiplexing: Multiplexing | None = None
     multiplexed: frozenset[str] = frozenset()
+    send_full: frozenset[str] = frozenset()
+    """Batched endpoints whose full batches are sent past the slots (``Batcher(send_full=)``)."""
 
 
 async def await_with_timeout(awaitable: Any, timeout: float | None) -> Any:
@@ -180,12 +182,13 @@ class Replica:
         self.models = None
         if self.spec.multiplexed:
             self.models = ReplicaModels(self.spec.multiplexing, self._load_model, name=f"{self.spec.actor_cls.__name__}@r{self.replica_id}")
-        self.batchers = {
-            name: (self.models.batcher if name in self.spec.multiplexed else Batcher)(  # type: ignore[union-attr]
-                spec, self._batch_executor(name), name=f"{self.spec.actor_cls.__name__}.{name}@r{self.replica_id}"
-            )
-            for name, spec in self.spec.batching.items()
-        }
+        self.batchers = {}
+        for name, spec in self.spec.batching.items():
+            label = f"{self.spec.actor_cls.__name__}.{name}@r{self.replica_id}"
+            if name in self.spec.multiplexed:
+                self.batchers[name] = self.models.batcher(spec, self._batch_executor(name), name=label)  # type: ignore[union-attr]
+            else:
+                self.batchers[name] = Batcher(spec, self._batch_executor(name), name=label, send_full=name in self.spec.send_full)
         self.started_at = self.last_progress = time.monotonic()
         self.state = ReplicaState.HEALTHY if take_traffic else ReplicaState.RECOVERING
         logger.debug("replica %s ready in %.2fs", self.mesh_name, self.started_at - t0)
@@ -260,7 +263,10 @@ class Replica:
 
     async def submit(self, endpoint: str, item: Any, key: Hashable, timeout: float | None) -> Any:
         """``enqueue`` and wait for the result, up to ``timeout`` seconds (None: no timer)."""
-        future = self.enqueue(endpoint, item, key)
+        return await self.wait_item(endpoint, self.enqueue(endpoint, item, key), timeout)
+
+    async def wait_item(self, endpoint: str, future: asyncio.Future, timeout: float | None) -> Any:
+        """The result of an ``enqueue``d item, up to ``timeout`` seconds (None: no timer)."""
         if timeout is None:
             return await future
         try:

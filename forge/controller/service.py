@@ -27,13 +27,13 @@ import contextvars
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Sequence
 from typing import Any
 
 from monarch.actor import MeshFailure
 
 from forge.controller.batching import Batching
-from forge.controller.endpoint import batching_of, is_multiplexed, retry_allowed
+from forge.controller.endpoint import batching_of, is_concurrent, is_multiplexed, retry_allowed
 from forge.controller.errors import NoHealthyReplica, Overloaded, ReplicaFailed, ServiceStopped
 from forge.controller.multiplex import aggregate_metrics, check_multiplexing
 from forge.controller.options import ActorOptions
@@ -67,6 +67,9 @@ class Service:
             spec.resolve_assembly(actor_cls)  # a bad enbatch/debatch name fails here, not per batch
         self.multiplexed = frozenset(n for n, p in self.endpoints.items() if is_multiplexed(p))
         self.multiplexing = check_multiplexing(actor_cls, self.multiplexed, options.max_models)
+        # Full batches of an endpoint the actor runs one message at a time go out past the
+        # slots (see Batcher's send_full); concurrent ones would run at once, so they wait.
+        send_full = frozenset(n for n in self.batching if not is_concurrent(self.endpoints[n]) and n not in self.multiplexed)
         for name in options.endpoint_routers:
             if name not in self.endpoints:
                 raise ValueError(f"options(endpoint_routers=...) names {name!r}, which is not an endpoint of {actor_cls.__name__}; endpoints: {sorted(self.endpoints)}")
@@ -75,7 +78,7 @@ class Service:
         gpus = split_gpus(options.num_replicas, options.procs, visible_gpus()) if options.with_gpus else [None] * options.num_replicas
         self.replicas = [
             Replica(i, ReplicaSpec(actor_cls, args, kwargs, options, self.batching, self.name, gpus[i],
-                                   multiplexing=self.multiplexing, multiplexed=self.multiplexed))
+                                   multiplexing=self.multiplexing, multiplexed=self.multiplexed, send_full=send_full))
             for i in range(options.num_replicas)
         ]
         for replica in self.replicas:
@@ -278,8 +281,13 @@ class Service:
         finally:
             self._waiting -= 1
 
-    async def request(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable, timeout: float | None) -> Any:
-        """Route one request, resending it elsewhere if its replica dies before answering."""
+    async def request(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable, timeout: float | None,
+                      tried: set[tuple[int, int]] | None = None, retries: int | None = None) -> Any:
+        """Route one request, resending it elsewhere if its replica dies before answering.
+
+        ``tried``/``retries``: replicas (id, generation) already tried and retries left, for a
+        request whose first attempt was queued by ``queue_batched``.
+        """
         batched = endpoint in self.batching
         if not batched:
             self._check_call(endpoint, args, kwargs)
@@ -288,8 +296,9 @@ class Service:
         # A batched request without its own timeout arms no timer: each batch's message has
         # call_timeout_s, so every queued item is answered or failed in bounded time anyway,
         # and 2,000 queued singletons don't pay for 2,000 timers.
-        retries = self.options.max_retries if retry_allowed(self.endpoints[endpoint]) else 0
-        tried: set[tuple[int, int]] = set()
+        if retries is None:
+            retries = self._retries(endpoint)
+        tried = set() if tried is None else tried
         while True:
             replica = self.choose(endpoint, key, await self._admit(endpoint, tried))
             generation = replica.generation
@@ -307,6 +316,49 @@ class Service:
             finally:
                 if self._waiting:
                     await self._notify_capacity()
+
+    def _retries(self, endpoint: str) -> int:
+        return self.options.max_retries if retry_allowed(self.endpoints[endpoint]) else 0
+
+    def queue_batched(self, endpoint: str, item: Any, key: Hashable, timeout: float | None) -> Coroutine[Any, Any, Any]:
+        """Queue one item of a batched endpoint *now*, and return the coroutine that waits for it.
+
+        Why now: a caller that fires a burst (``gather`` of 2,000 ``route`` calls) makes every
+        call before asyncio runs any of them. Queued at call time, the items fill batches and the
+        first ones are on their way to the actor while the caller is still making calls;
+        queued from each caller's task, nothing would leave until all 2,000 tasks had been
+        created and the actor would idle meanwhile. When no replica can take the item at once
+        (admission limits, recovery, shutdown), the plain path runs when the coroutine is awaited.
+        """
+        if self._stopped or self._waiting:  # callers already wait for admission: queue behind them
+            return self.request(endpoint, (item,), {}, key, timeout)
+        candidates = self._candidates(set())
+        if not candidates:
+            return self.request(endpoint, (item,), {}, key, timeout)
+        try:
+            replica = self.choose(endpoint, key, candidates)
+            future = replica.enqueue(endpoint, item, key)
+        except Exception as exc:  # noqa: BLE001 - surfaces when the caller awaits, like any other error
+            return _raise(exc)
+        return self._await_batched(endpoint, item, key, timeout, replica, future)
+
+    async def _await_batched(self, endpoint: str, item: Any, key: Hashable, timeout: float | None,
+                             replica: Replica, future: asyncio.Future) -> Any:
+        """The result of an item ``queue_batched`` queued; resent elsewhere if its replica died."""
+        generation = replica.generation
+        try:
+            return await replica.wait_item(endpoint, future, timeout)
+        except ReplicaFailed as exc:
+            retries = self._retries(endpoint)
+            if retries <= 0 or self._stopped:
+                raise
+            self.retried += 1
+            logger.info("retrying %s.%s on another replica: %s", self.actor_cls.__name__, endpoint, exc)
+            return await self.request(endpoint, (item,), {}, key, timeout,
+                                      tried={(replica.replica_id, generation)}, retries=retries - 1)
+        finally:
+            if self._waiting:
+                await self._notify_capacity()
 
     def _check_call(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Wrong arity or keyword names fail here, naming the endpoint's signature."""
@@ -393,6 +445,11 @@ def _call_signature(prop: Any) -> inspect.Signature | None:
     return signature.replace(parameters=params)
 
 
+async def _raise(exc: BaseException) -> Any:
+    """An error found when a call was made, raised when the caller awaits it."""
+    raise exc
+
+
 def _first_line(value: Any) -> str:
     try:
         text = str(value.report())
@@ -410,23 +467,29 @@ class EndpointHandle:
         self._batched = name in service.batching
         self._multiplexed = name in service.multiplexed
 
-    async def route(self, *args: Any, key: Hashable = None, timeout: float | None = None, **kwargs: Any) -> Any:
-        """One request to one replica chosen by the endpoint's router.
+    def route(self, *args: Any, key: Hashable = None, timeout: float | None = None, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+        """One request to one replica chosen by the endpoint's router; await it for the result.
 
         For a batched endpoint pass exactly one item; it is prebatched with others and you get
-        its own result back. ``key`` is the similarity key used by ``key_affinity`` routing and
-        by per-key batch queues. A multiplexed endpoint takes ``model_id=`` instead: the model
-        that must serve the item.
+        its own result back. The item is queued the moment ``route`` is called (as a message is
+        sent when you send it), so a burst of calls fills batches before any caller runs.
+        ``key`` is the similarity key used by ``key_affinity`` routing and by per-key batch
+        queues. A multiplexed endpoint takes ``model_id=`` instead: the model that must serve
+        the item.
         """
         if self._batched:
-            if self._multiplexed:
-                key = self._model_id(key, kwargs)
-            if len(args) != 1 or kwargs:
-                raise TypeError(
-                    f"{self._service.actor_cls.__name__}.{self._name} is batched: route() takes exactly one item "
-                    f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments)"
-                )
-        return await self._service.request(self._name, args, kwargs, key, timeout)
+            try:
+                if self._multiplexed:
+                    key = self._model_id(key, kwargs)
+                if len(args) != 1 or kwargs:
+                    raise TypeError(
+                        f"{self._service.actor_cls.__name__}.{self._name} is batched: route() takes exactly one item "
+                        f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments)"
+                    )
+            except TypeError as exc:
+                return _raise(exc)
+            return self._service.queue_batched(self._name, args[0], key, timeout)
+        return self._service.request(self._name, args, kwargs, key, timeout)
 
     async def route_many(self, items: Sequence[Any], *, keys: Sequence[Hashable] | None = None, timeout: float | None = None,
                          model_id: Hashable = None) -> list[Any]:

@@ -189,3 +189,33 @@ def test_config_to_yaml_round_trips_the_resolved_config():
     assert loaded == config_to_dict(cfg)
     assert loaded["run_name"] == "run-3"
     assert load_config(_App, None, [f"{k}={v}" for k, v in loaded.items() if k in ("seed", "run_name")]) == cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Optional sections and "???" in a file
+
+
+@dataclass
+class _WithOptional:
+    extra: _Trainer | None = None
+    name: str = "default"
+
+
+def test_optional_section_can_be_set_from_yaml_and_override(tmp_path):
+    cfg = load_config(_WithOptional, _yaml(tmp_path, "extra:\n  lr: 0.5\n"), ["extra.steps=3"])
+    assert cfg.extra == _Trainer(lr=0.5, steps=3)
+    assert load_config(_WithOptional).extra is None
+
+
+def test_unknown_key_in_optional_section_names_its_siblings(tmp_path):
+    with pytest.raises(ConfigError, match=r"extra\.lrr: unknown key .*known keys under 'extra': lr, steps.*did you mean 'extra.lr'"):
+        load_config(_WithOptional, _yaml(tmp_path, "extra:\n  lrr: 0.5\n"))
+
+
+def test_question_marks_in_yaml_make_a_defaulted_field_required(tmp_path):
+    path = _yaml(tmp_path, "name: ???\nextra:\n  steps: ???\n")
+    with pytest.raises(ConfigError, match=r"name: missing required value \(str\)"):
+        load_config(_WithOptional, path, ["extra.steps=4"])
+    with pytest.raises(ConfigError, match=r"extra.steps: missing required value \(int\)"):
+        load_config(_WithOptional, path, ["name=x"])
+    assert load_config(_WithOptional, path, ["name=x", "extra.steps=4"]).extra.steps == 4

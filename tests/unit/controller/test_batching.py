@@ -80,6 +80,25 @@ async def test_batch_keeps_growing_while_slots_are_busy():
     assert rec.batches == [[0], list(range(1, 8))]
 
 
+async def test_send_full_starts_full_batches_past_busy_slots_but_partial_ones_wait():
+    """send_full: a full batch cannot grow, so it goes at once; a partial one still closes late."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    b = Batcher(Batching(max_size=4, max_wait_s=0.0), rec, send_full=True)
+    futures = [b.enqueue(i) for i in range(14)]  # 3 full batches and 2 items over
+    await asyncio.sleep(0.05)
+    assert rec.batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # the slot is busy: no [12, 13] yet
+    futures += [b.enqueue(i) for i in range(14, 16)]  # the partial batch fills up: it goes too
+    await asyncio.sleep(0.05)
+    assert rec.batches[-1] == [12, 13, 14, 15]
+    futures.append(b.enqueue(16))
+    await asyncio.sleep(0.05)
+    assert len(rec.batches) == 4  # partial: waits for a slot
+    rec.gate.set()
+    assert await asyncio.gather(*futures) == [i * 2 for i in range(17)]
+    assert rec.batches[-1] == [16]
+
+
 async def test_concurrent_batches_use_all_slots():
     """max_concurrent_batches=2 runs two batches at the same time."""
     rec = Recorder()

@@ -110,6 +110,23 @@ async def test_singletons_are_prebatched_into_one_message_per_batch():
         await svc.shutdown()
 
 
+async def test_burst_is_queued_at_call_time_and_full_batches_go_out_at_once():
+    """route() queues a batched item when it is called, and full batches do not wait for the
+    busy slot: a burst keeps the actor fed before any caller has awaited."""
+    svc = await Counter.options(num_replicas=1).as_service()
+    try:
+        calls = [svc.score.route(i) for i in range(20)]  # made, not yet awaited
+        replica = svc.service.replicas[0]
+        assert replica.in_flight == 20
+        assert replica.batchers["score"].queued == 4  # 2 full batches are on their way
+        assert await asyncio.gather(*calls) == list(range(20))
+        assert (await svc.stats.route())["batch_sizes"] == [8, 8, 4]
+        task = asyncio.create_task(svc.score.route(5))  # route() still gives a coroutine
+        assert await task == 5
+    finally:
+        await svc.shutdown()
+
+
 async def test_route_many_keeps_order_and_fanout_reaches_every_replica(counter_service):
     svc = counter_service
     assert await svc.score.route_many([5, 1, 4], keys=["a", "b", "a"]) == [10, 2, 8]
