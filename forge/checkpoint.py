@@ -70,11 +70,16 @@ def _unique_tensors(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torc
 
 
 def save_checkpoint(root: str | os.PathLike, model_state: dict[str, torch.Tensor], state: TrainingState, *, keep: int = 2) -> Path:
-    """Write ``<root>/step_<state.step>/`` atomically; return its path."""
+    """Write ``<root>/step_<state.step>/`` atomically; return its path.
+
+    One writer per ``root``: the temporary folders of earlier, killed saves are removed first.
+    """
     if keep < 1:
         raise ValueError(f"save_checkpoint keep must be >= 1, got {keep}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp_*"):  # left by a save that was killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     final = root / f"{_PREFIX}{state.step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp_", dir=root))
     try:
@@ -108,12 +113,16 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], TrainingState]:
-    """The model state dict (tied names restored) and the training state of one checkpoint."""
+    """The model state dict (tied names restored) and the training state of one checkpoint.
+
+    Tensors come back on the CPU (a checkpoint written on a GPU loads on a CPU-only machine);
+    ``Optimizer.load_state_dict`` moves the optimizer's state to its parameters' device.
+    """
     path = Path(path)
     if not (path / _MODEL_FILE).is_file() or not (path / _STATE_FILE).is_file():
         raise FileNotFoundError(f"{path} is not a complete forge checkpoint (needs {_MODEL_FILE} and {_STATE_FILE})")
     model_state = load_file(str(path / _MODEL_FILE))
-    raw = torch.load(path / _STATE_FILE, weights_only=False)
+    raw = torch.load(path / _STATE_FILE, map_location="cpu", weights_only=False)
     for alias, source in raw.pop("aliases", {}).items():
         model_state[alias] = model_state[source]
     return model_state, TrainingState(**raw)

@@ -107,7 +107,11 @@ class TrainerSection(Placement):
     num_threads: int = 0
     """Torch CPU threads of the trainer process; 0 keeps torch's default."""
     checkpoint_every: int = 0
-    """Save a Hugging Face checkpoint under ``<output_dir>/checkpoints`` every N steps; 0 never."""
+    """Save a full checkpoint (weights, optimizer, step, policy version, RNG, dataset position)
+    under ``<logging.output_dir>/checkpoints`` every N steps and at the last step; 0 never.
+    ``--resume`` continues a killed run from the newest one."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
 
 
 @dataclass(kw_only=True)
@@ -185,6 +189,12 @@ class GRPOConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.trainer.checkpoint_every < 0:
+            raise ValueError(
+                f"trainer.checkpoint_every must be >= 0 (0 disables checkpoints), got {self.trainer.checkpoint_every}"
+            )
+        if self.trainer.keep_checkpoints < 1:
+            raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.trainer.keep_checkpoints}")
         if self.max_policy_age < 0:
             raise ValueError(f"max_policy_age must be >= 0, got {self.max_policy_age}")
         if self.policy.top_p != 1.0:

@@ -26,6 +26,11 @@ per token; a group is trained on once; rollouts pause (backpressure) when
 Outputs in ``logging.output_dir``: ``metrics.jsonl`` (one line per step), ``reward_loss.png``
 and TensorBoard events when ``tensorboard`` is installed. Any role's failure, or Ctrl-C, stops
 every role and exits non-zero with a message naming the role.
+
+Checkpoints: with ``trainer.checkpoint_every=N`` the trainer saves a full checkpoint under
+``<output_dir>/checkpoints`` every N steps and at the last one (see ``resume``). A killed run
+continues with the same command plus ``--resume``: same step numbers, ``metrics.jsonl``
+appended. A fresh run refuses an ``output_dir`` that already holds checkpoints.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import argparse
 import asyncio
 import collections
 import itertools
+import json
 import logging
 import os
 import sys
@@ -43,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import forge.controller  # noqa: F401  (before anything imports monarch)
+from forge.checkpoint import latest_checkpoint
 from forge.controller import ForgeActor, ForgeError, quiet_monarch
 
 logger = logging.getLogger("forge.grpo")
@@ -111,7 +118,7 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
         engine_kwargs={"use_tqdm_on_load": False, **p.engine_kwargs},
     )
     reference_cfg = ReferenceConfig(model_path=model_path, temperature=p.temperature, dtype=cfg.reference.dtype)
-    checkpoints = str(Path(cfg.logging.output_dir) / "checkpoints") if t.checkpoint_every else None
+    checkpoints = str(checkpoint_root(cfg)) if t.checkpoint_every else None
     trainer_cfg = TrainerConfig(
         model_path=model_path,
         lr=t.lr,
@@ -127,6 +134,7 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
         seed=cfg.seed,
         num_threads=t.num_threads,
         checkpoint_dir=checkpoints,
+        keep_checkpoints=t.keep_checkpoints,
     )
     dataset_cfg = DatasetConfig(
         source=cfg.data.source,
@@ -397,19 +405,22 @@ async def _call(role: str, awaitable: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- training
-async def train(cfg: Any, roles: Roles, rollouts: Rollouts, log: "RunLog") -> None:
-    """The step loop: wait for a batch, one optimizer step, weight sync, log.
+async def train(
+    cfg: Any, roles: Roles, rollouts: Rollouts, log: "RunLog", after_step: int = 0, version: int = 0
+) -> None:
+    """The step loop: wait for a batch, one optimizer step, weight sync, log, checkpoint.
 
     The new weights are taken from the trainer right after its step; loading them into the
     policy (which first finishes the generation batch in flight) overlaps the next step's wait
     and is awaited before the next sync. With ``max_policy_age=0`` it is awaited at once.
+    A resumed run starts after ``after_step`` with the policy at ``version``. A step is logged
+    before it is checkpointed, so every checkpointed step is in ``metrics.jsonl``.
     """
     from forge.types import EpisodeBatch
 
-    version = 0
     pushing: asyncio.Task | None = None
     try:
-        for step in range(1, cfg.steps + 1):
+        for step in range(after_step + 1, cfg.steps + 1):
             t0 = time.perf_counter()
             groups = await wait_for_batch(cfg, roles, rollouts, version)
             t1 = time.perf_counter()
@@ -424,8 +435,6 @@ async def train(cfg: Any, roles: Roles, rollouts: Rollouts, log: "RunLog") -> No
             if cfg.max_policy_age == 0:
                 await pushing
             t3 = time.perf_counter()
-            if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
-                await _call("trainer", roles.trainer.save_checkpoint.call_one())
             await log.step(
                 step,
                 {
@@ -446,6 +455,8 @@ async def train(cfg: Any, roles: Roles, rollouts: Rollouts, log: "RunLog") -> No
                 },
                 roles,
             )
+            if checkpoint_due(cfg, step):
+                await save_checkpoint(roles, step)
         if pushing is not None:
             await pushing
     finally:
@@ -492,26 +503,90 @@ async def sync_weights(cfg: Any, roles: Roles) -> int:
     return await push_weights(cfg, roles, *(await fetch_weights(cfg, roles)))
 
 
+# ----------------------------------------------------------------------------- checkpoints
+def checkpoint_root(cfg: Any) -> Path:
+    """Where the run's checkpoints go: ``<logging.output_dir>/checkpoints``."""
+    return Path(cfg.logging.output_dir) / "checkpoints"
+
+
+def checkpoint_due(cfg: Any, step: int) -> bool:
+    """Every ``trainer.checkpoint_every`` steps, and at the last step."""
+    every = cfg.trainer.checkpoint_every
+    return every > 0 and (step % every == 0 or step == cfg.steps)
+
+
+def checkpoint_to_resume(cfg: Any, resume: bool) -> Path | None:
+    """The newest complete checkpoint of the run when ``resume``; None for a fresh run.
+
+    ``--resume`` without a checkpoint is an error naming the folder searched. So is a fresh run
+    in an ``output_dir`` that holds checkpoints: it would truncate that run's metrics and a
+    later ``--resume`` could pick up the earlier run's newer checkpoints.
+    """
+    root = checkpoint_root(cfg)
+    found = latest_checkpoint(root)
+    if resume and found is None:
+        raise FileNotFoundError(
+            f"--resume found no complete checkpoint under {root}; a run writes them there "
+            "when trainer.checkpoint_every > 0"
+        )
+    if not resume and found is not None:
+        raise FileExistsError(
+            f"{root} holds checkpoints of an earlier run (newest {found.name}); add --resume to "
+            "continue it, or set another logging.output_dir"
+        )
+    return found
+
+
+async def save_checkpoint(roles: Roles, step: int) -> None:
+    """The trainer's full state, plus the controller's: the dataset's position."""
+    position = await _call("dataset", roles.dataset.position.call_one())
+    await _call("trainer", roles.trainer.save_checkpoint.call_one(step, {"dataset_position": position}))
+
+
+async def resume(cfg: Any, roles: Roles, path: Path) -> tuple[int, int]:
+    """Load checkpoint ``path`` into the roles before any rollout; returns (step, policy version).
+
+    Restored: the trainer's weights, optimizer state, policy version and RNG states; the
+    dataset's position; the policy replicas' weights (a normal weight sync, at the checkpoint's
+    version). Not restored: the groups that were buffered or being generated at the checkpoint
+    (their prompts are skipped, not replayed) and vLLM's sampling RNG (reseeded from ``seed``).
+    So training continues from the same model, optimizer and step numbers, but not with the very
+    samples the killed run would have drawn (concurrent rollouts make no two runs draw them
+    alike anyway).
+    """
+    step, version, extra = await _call("trainer", roles.trainer.load_checkpoint.call_one(str(path)))
+    await _call("dataset", roles.dataset.seek.call_one(int(extra.get("dataset_position", 0))))
+    await sync_weights(cfg, roles)
+    return step, version
+
+
 # ----------------------------------------------------------------------------- logging
 class RunLog:
     """Per-step metrics: the roles' records and the step's own, reduced, to every sink."""
 
-    def __init__(self, cfg: Any, terminal: Any) -> None:
+    def __init__(self, cfg: Any, terminal: Any, resume_after: int | None = None) -> None:
+        """``resume_after``: the checkpoint's step when resuming; the earlier steps' rows are
+        kept (and count in the summary), later ones dropped. None starts a fresh record."""
         from forge.observability import MetricAggregator, make_sinks
 
         self.cfg = cfg
         self.out = Path(cfg.logging.output_dir)
         self.aggregator = MetricAggregator()
-        self.sinks = make_sinks(list(cfg.logging.sinks), self.out)
+        self.sinks = make_sinks(list(cfg.logging.sinks), self.out, resume_after)
         if "console" in cfg.logging.sinks:
             logging.getLogger("forge.metrics").setLevel(logging.INFO)
         self.metrics_path = self.out / "metrics.jsonl"
+        self.resume_after = resume_after
         self.rows: list[dict[str, float]] = []
+        if resume_after is not None:
+            self.rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines()]
         self.bar = None
         if cfg.logging.progress_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.steps, desc="grpo", unit="step", file=terminal, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=cfg.steps, initial=len(self.rows), desc="grpo", unit="step", file=terminal, dynamic_ncols=True
+            )
 
     async def step(self, step: int, metrics: dict[str, float], roles: Roles) -> None:
         """Log one step: ``metrics`` plus what the services recorded since the last step."""
@@ -555,8 +630,9 @@ class RunLog:
             return f"grpo: no step completed in {elapsed_s:.1f}s"
         k = min(10, len(rewards))
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        resumed = f" (resumed after step {self.resume_after})" if self.resume_after is not None else ""
         return (
-            f"grpo: {len(rewards)} steps in {elapsed_s:.1f}s (startup {startup_s:.1f}s); "
+            f"grpo: {len(rewards)} steps{resumed} in {elapsed_s:.1f}s (startup {startup_s:.1f}s); "
             f"reward first-{k} {first:.3f} -> last-{k} {last:.3f}; final loss {self.rows[-1]['loss']:.4f}; "
             f"metrics {self.metrics_path}"
         )
@@ -596,8 +672,8 @@ class _FailureWatch:
         return False  # the owning service must see it too
 
 
-async def run(cfg: Any, terminal: Any) -> str:
-    """Start the roles, train, and stop everything; returns the summary line."""
+async def run(cfg: Any, terminal: Any, resume_from: Path | None = None) -> str:
+    """Start the roles (from checkpoint ``resume_from`` if given), train, stop; returns the summary."""
     from forge.controller.provisioner import add_fault_listener
 
     t_start = time.perf_counter()
@@ -610,10 +686,11 @@ async def run(cfg: Any, terminal: Any) -> str:
     tasks: list[asyncio.Task] = []
     try:
         roles = await start_roles(cfg, model_path)
+        step, version = (0, 0) if resume_from is None else await resume(cfg, roles, resume_from)
         startup_s = time.perf_counter() - t_start
-        log = RunLog(cfg, terminal)
+        log = RunLog(cfg, terminal, resume_after=None if resume_from is None else step)
         rollouts = Rollouts(roles, cfg.group_size, cfg.rollout_concurrency, cfg.max_buffered_groups)
-        training = asyncio.create_task(train(cfg, roles, rollouts, log), name="train")
+        training = asyncio.create_task(train(cfg, roles, rollouts, log, step, version), name="train")
         watcher = asyncio.create_task(watch.failed.wait(), name="failure-watch")
         tasks = [training, watcher, *rollouts.start()]
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -651,21 +728,26 @@ def prepare_model(cfg: Any) -> str:
     return str(path.resolve())
 
 
-def parse_args(argv: list[str] | None) -> tuple[str, list[str]]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m apps.grpo.main", description="GRPO training on Monarch actors (see the module docstring)."
     )
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/grpo_tiny.yaml")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in logging.output_dir from its newest checkpoint (<output_dir>/checkpoints, "
+        "written every trainer.checkpoint_every steps): same step numbers, metrics.jsonl appended",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.lr=3e-4 group_size=8")
-    args = parser.parse_args(argv)
-    return args.config, args.overrides
+    return parser.parse_intermixed_args(argv)
 
 
 class Terminated(Exception):
     """SIGTERM arrived; the run was stopped cleanly."""
 
 
-async def _run_until_signalled(cfg: Any, terminal: Any) -> str:
+async def _run_until_signalled(cfg: Any, terminal: Any, resume_from: Path | None) -> str:
     """``run``, with SIGTERM handled like Ctrl-C: cancel, stop every role, then exit."""
     import signal
 
@@ -680,7 +762,7 @@ async def _run_until_signalled(cfg: Any, terminal: Any) -> str:
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
-        return await run(cfg, terminal)
+        return await run(cfg, terminal, resume_from)
     except asyncio.CancelledError:
         if terminated:
             raise Terminated() from None
@@ -698,18 +780,23 @@ def main(argv: list[str] | None = None) -> int:
     monarch.config.configure(process_exit_timeout="1s")
     terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the progress bar bypasses the log filter
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    config_path, overrides = parse_args(argv)
+    args = parse_args(argv)
     from forge.config import ConfigError, load_config
 
     from apps.grpo.config import GRPOConfig
 
     try:
-        cfg = load_config(GRPOConfig, config_path, overrides)
+        cfg = load_config(GRPOConfig, args.config, args.overrides)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"grpo: bad config: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        summary = asyncio.run(_run_until_signalled(cfg, terminal))
+        resume_from = checkpoint_to_resume(cfg, args.resume)
+    except (FileNotFoundError, FileExistsError) as exc:
+        print(f"grpo: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        summary = asyncio.run(_run_until_signalled(cfg, terminal, resume_from))
     except KeyboardInterrupt:
         print("grpo: interrupted; every role was stopped", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -73,7 +73,12 @@ def _epochs(path: str, seed: int, options: dict[str, Any]) -> Iterator[Prompt]:
 
 
 class Dataset(ForgeActor):
-    """``sample()`` returns the next prompt; ``sample_many(n)`` the next ``n``."""
+    """``sample()`` returns the next prompt; ``sample_many(n)`` the next ``n``.
+
+    ``position()`` is how many prompts were handed out; ``seek(n)`` restarts the stream and
+    skips its first ``n`` prompts, so a resumed run continues where the checkpointed one was
+    (the stream is deterministic given the config's seed).
+    """
 
     def __init__(self, config: DatasetConfig) -> None:
         self.config = config
@@ -93,3 +98,18 @@ class Dataset(ForgeActor):
     async def sample_many(self, n: int) -> list[Prompt]:
         self.served += n
         return [next(self._prompts) for _ in range(n)]
+
+    @endpoint
+    async def position(self) -> int:
+        """Prompts handed out since the stream began."""
+        return self.served
+
+    @endpoint
+    async def seek(self, position: int) -> None:
+        """Restart the stream and skip its first ``position`` prompts (reads them: O(position))."""
+        if position < 0:
+            raise ValueError(f"Dataset.seek position must be >= 0, got {position}")
+        self._prompts = prompt_stream(self.config)
+        for _ in range(position):
+            next(self._prompts)
+        self.served = position

@@ -6,11 +6,17 @@
     metrics = await trainer.train_step.call_one(batch)        # EpisodeBatch: one optimizer step
     state_dict, version = await trainer.weights.call_one()   # tensors, never lists
     await policy.update_weights.fanout(state_dict, version)
+    await trainer.save_checkpoint.call_one(step, {"dataset_position": n})   # every N steps
+    step, version, extra = await trainer.load_checkpoint.call_one(path)   # on --resume
 
 The trainer's logprobs are ``log_softmax(logits / temperature)`` at the sampler's temperature,
 the same quantity vLLM reports as ``processed_logprobs``, so the importance ratio against the
 behaviour logprobs is exactly 1 for on-policy data. ``version`` counts optimizer steps: the
 initial weights are version 0, and the weights after step ``k`` are version ``k``.
+
+Checkpoints (``forge.checkpoint``) are complete for the trainer: weights, optimizer state, step,
+policy version and this process's RNG states, so a resumed trainer takes exactly the step the
+killed one would have taken on the same batch. The caller adds its own state as ``extra``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 import torch
 
+from forge import checkpoint
 from forge.controller import ForgeActor, endpoint
 from forge.losses import grpo_loss
 from forge.models import pack_right_padded, padded_token_logprobs
@@ -68,11 +75,13 @@ class TrainerConfig:
     num_threads: int = 0
     """CPU threads for torch; 0 keeps torch's default."""
     checkpoint_dir: str | None = None
-    """Where ``save_checkpoint`` writes (``<dir>/step_<version>``); None disables it."""
+    """Where ``save_checkpoint`` writes full checkpoints (``<dir>/step_<N>``); None disables it."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep; older ones are deleted after each save."""
 
 
 class Trainer(ForgeActor):
-    """Holds the model and optimizer; ``train_step``, ``weights``, ``save_checkpoint``."""
+    """Holds the model and optimizer; ``train_step``, ``weights``, ``save_checkpoint``, ``load_checkpoint``."""
 
     # -- configuration
     config: TrainerConfig
@@ -184,11 +193,14 @@ class Trainer(ForgeActor):
         """Write the weights as one safetensors file under ``folder``; return (path, version).
 
         On one host, with ``folder`` in ``/dev/shm``, this hands the policy a file to load
-        instead of a message to deserialise. The previous version's file is removed.
+        instead of a message to deserialise. The previous version's file is removed, and on the
+        first call so are the files of trainers that were killed (their process is gone).
         """
         from safetensors.torch import save_file
 
         Path(folder).mkdir(parents=True, exist_ok=True)
+        if self._publish_count == 0:
+            _remove_orphaned_weights(folder)
         self._publish_count += 1
         path = os.path.join(folder, f"weights-{os.getpid()}-{self._publish_count}-v{self.version}.safetensors")
         tmp = path + ".tmp"
@@ -202,13 +214,61 @@ class Trainer(ForgeActor):
         return path, self.version
 
     @endpoint
-    async def save_checkpoint(self) -> str | None:
-        """Save the model in Hugging Face format under ``checkpoint_dir``; return the folder."""
-        if self.config.checkpoint_dir is None:
+    async def save_checkpoint(self, step: int, extra: dict[str, Any] | None = None) -> str | None:
+        """Save a full checkpoint of training ``step`` under ``checkpoint_dir``; return its folder.
+
+        It holds the weights (safetensors, in the training dtype, Hugging Face names), the
+        optimizer state, ``step``, the policy version, this process's Python/torch/CUDA RNG
+        states and ``extra`` (the caller's own state, e.g. its dataset position). Only the
+        newest ``keep_checkpoints`` are kept. Returns None when ``checkpoint_dir`` is None.
+        """
+        cfg = self.config
+        if cfg.checkpoint_dir is None:
             return None
-        folder = Path(self.config.checkpoint_dir) / f"step_{self.version}"
-        self.model.save_pretrained(folder)
-        return str(folder)
+        state = checkpoint.TrainingState(
+            step=step,
+            policy_version=self.version,
+            optimizer=self.optimizer.state_dict(),
+            rng=checkpoint.capture_rng(),
+            extra=dict(extra or {}),
+        )
+        path = checkpoint.save_checkpoint(cfg.checkpoint_dir, self.model.state_dict(), state, keep=cfg.keep_checkpoints)
+        return str(path)
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> tuple[int, int, dict[str, Any]]:
+        """Restore the weights, optimizer state, policy version and RNG states saved at ``path``.
+
+        Returns ``(step, policy_version, extra)`` for the caller to restore its own state. The
+        optimizer's hyperparameters (``lr``, ``betas``, ``weight_decay``) come from this
+        trainer's config, not the checkpoint, so a resumed run may change them. A checkpoint
+        whose parameter names or shapes differ from the model's is a ``ValueError``.
+        """
+        weights, state = checkpoint.load_checkpoint(path)
+        self._check_fits(weights, path)
+        self.model.load_state_dict(weights)
+        self.optimizer.load_state_dict(state.optimizer)
+        cfg = self.config
+        for group in self.optimizer.param_groups:
+            group.update(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        checkpoint.restore_rng(state.rng)
+        self.version = state.policy_version
+        return state.step, state.policy_version, state.extra
+
+    def _check_fits(self, weights: dict[str, torch.Tensor], path: str) -> None:
+        own = self.model.state_dict()
+        fix = f"resume with the model the checkpoint was written for (model.path is {self.config.model_path})"
+        missing, unexpected = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}; {fix}"
+            )
+        for name, tensor in own.items():
+            if weights[name].shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint {path} does not fit the model: {name} is {list(weights[name].shape)} in the "
+                    f"checkpoint but {list(tensor.shape)} in the model; {fix}"
+                )
 
     @endpoint
     async def cleanup(self) -> None:
@@ -237,3 +297,25 @@ class Trainer(ForgeActor):
                 t = t.to(dtype)
             out[name] = t.cpu()
         return out
+
+
+def _remove_orphaned_weights(folder: str) -> None:
+    """Remove ``weights-<pid>-*`` files (and their ``.tmp``) whose writer process is gone.
+
+    A trainer killed with SIGKILL cannot remove what it published; in ``/dev/shm`` that is
+    memory held until reboot. The file transport is single-host, so the pid is this host's.
+    """
+    for path in Path(folder).glob("weights-*.safetensors*"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True

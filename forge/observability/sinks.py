@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import IO, Protocol, runtime_checkable
 
@@ -44,16 +45,25 @@ class JsonlSink:
     """``<output_dir>/metrics.jsonl``: one JSON object per step, ``{"step": n, ...metrics}``.
 
     The file is truncated when the sink opens (a run owns its output directory) and flushed
-    after every step, so a crashed run keeps every step it logged. Non-finite values are
-    written as ``null`` to keep the file strict JSON.
+    after every step, so a crashed run keeps every step it logged. A run resumed after step
+    ``resume_after`` keeps the rows up to that step, drops the later ones (what the killed run
+    logged after its last checkpoint, and a line cut short by the kill) and appends, so every
+    step appears once. Non-finite values are written as ``null`` to keep the file strict JSON.
     """
 
     FILENAME = "metrics.jsonl"
 
-    def __init__(self, output_dir: str | Path) -> None:
+    def __init__(self, output_dir: str | Path, resume_after: int | None = None) -> None:
         self.path = Path(output_dir) / self.FILENAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = self.path.open("w", encoding="utf-8")
+        if resume_after is None:
+            self._file: IO[str] | None = self.path.open("w", encoding="utf-8")
+            return
+        kept = [line for line in _read_lines(self.path) if _step_of(line) <= resume_after]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self._file is None:
@@ -71,6 +81,19 @@ class JsonlSink:
             self._file = None
 
 
+def _read_lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+
+
+def _step_of(line: str) -> float:
+    """The ``step`` of one JSONL row; infinity for a line cut short or without a step."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return math.inf
+    return step if isinstance(step, int) else math.inf
+
+
 _tensorboard_warned = False
 
 
@@ -78,10 +101,11 @@ class TensorBoardSink:
     """Scalars to TensorBoard under ``<output_dir>/tensorboard``, if TensorBoard is installed.
 
     TensorBoard is optional: without it the sink logs one line saying so (once per process)
-    and does nothing, so a config naming it never breaks a run.
+    and does nothing, so a config naming it never breaks a run. A run resumed after step
+    ``resume_after`` purges the events logged past that step (TensorBoard's ``purge_step``).
     """
 
-    def __init__(self, output_dir: str | Path) -> None:
+    def __init__(self, output_dir: str | Path, resume_after: int | None = None) -> None:
         global _tensorboard_warned
         self.log_dir = Path(output_dir) / "tensorboard"
         self._writer = None
@@ -94,7 +118,8 @@ class TensorBoardSink:
                 )
                 _tensorboard_warned = True
             return
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        purge = None if resume_after is None else resume_after + 1
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge)
 
     @property
     def enabled(self) -> bool:
@@ -116,13 +141,19 @@ class TensorBoardSink:
 _SINKS = {"console": ConsoleSink, "jsonl": JsonlSink, "tensorboard": TensorBoardSink}
 
 
-def make_sinks(names: list[str] | tuple[str, ...], output_dir: str | Path) -> list[MetricSink]:
-    """Build the sinks named in ``names`` (``console``, ``jsonl``, ``tensorboard``), in order."""
+def make_sinks(
+    names: list[str] | tuple[str, ...], output_dir: str | Path, resume_after: int | None = None
+) -> list[MetricSink]:
+    """Build the sinks named in ``names`` (``console``, ``jsonl``, ``tensorboard``), in order.
+
+    ``resume_after``: the step a resumed run continues after; the file sinks keep what was
+    logged up to it and drop the rest. None starts afresh.
+    """
     if isinstance(names, str):
         raise TypeError(f"names must be a list of sink names, got the string {names!r}")
     sinks: list[MetricSink] = []
     for name in names:
         if name not in _SINKS:
             raise ValueError(f"unknown metric sink {name!r}; expected one of {sorted(_SINKS)}")
-        sinks.append(ConsoleSink() if name == "console" else _SINKS[name](output_dir))
+        sinks.append(ConsoleSink() if name == "console" else _SINKS[name](output_dir, resume_after))
     return sinks

@@ -2,7 +2,7 @@
 
 Each test starts the app in a subprocess with the tiny config shrunk by overrides (a few steps,
 a few prompts), so it exercises the real roles: vLLM policy, reference, reward and trainer
-processes, the buffer and dataset actors, weight sync and shutdown.
+processes, the buffer and dataset actors, weight sync, checkpoints and shutdown.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -101,3 +102,70 @@ def test_ctrl_c_stops_every_role_and_exits_130(tmp_path: Path) -> None:
     assert "interrupted" in err
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+
+
+def _metrics_lines(tmp_path: Path) -> list[str]:
+    return (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+
+
+@pytest.mark.timeout(300)
+def test_killed_run_resumes_from_its_last_checkpoint_with_the_same_step_numbers(tmp_path: Path) -> None:
+    """SIGKILL after a checkpoint, then --resume: exit 0, steps 1..N once each, versions continue."""
+    import psutil
+
+    from forge.checkpoint import latest_checkpoint, load_checkpoint
+
+    checkpoints = tmp_path / "out" / "checkpoints"
+    proc = _app(tmp_path, "steps=1000", "trainer.checkpoint_every=2")
+    deadline = time.monotonic() + 120
+    while latest_checkpoint(checkpoints) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, out, err = _finish(proc, timeout=5)
+            pytest.fail(f"the app never wrote a checkpoint\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
+        time.sleep(0.1)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()  # SIGKILL: no cleanup of any kind runs in the controller
+    proc.communicate()
+    _, alive = psutil.wait_procs(children, timeout=15)
+    for child in alive:
+        child.kill()
+    assert not alive, f"the killed app left processes behind: {[c.pid for c in alive]}"
+
+    _, saved = load_checkpoint(latest_checkpoint(checkpoints))
+    k, killed_lines = saved.step, _metrics_lines(tmp_path)
+    assert saved.policy_version == k and saved.extra["dataset_position"] >= k * 4
+    assert len(killed_lines) >= k
+    steps = k + 3
+    code, out, err = _finish(_app(tmp_path, f"steps={steps}", "trainer.checkpoint_every=2", "--resume"))
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    assert f"grpo: {steps} steps (resumed after step {k})" in out
+
+    lines = _metrics_lines(tmp_path)
+    rows = [json.loads(line) for line in lines]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert lines[:k] == killed_lines[:k]  # the record up to the checkpoint is kept as it was
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    # The first resumed step trained on groups the policy sampled with the checkpoint's weights.
+    assert rows[k]["policy_age_mean"] == 0.0
+    last = latest_checkpoint(checkpoints)
+    assert last.name == f"step_{steps:08d}"  # the last step is always checkpointed
+    assert load_checkpoint(last)[1].extra["dataset_position"] > saved.extra["dataset_position"]
+    assert not list((tmp_path / "weights").iterdir()), "the killed trainer's weight files were not removed"
+
+
+def test_resume_without_a_checkpoint_fails_naming_the_folder(tmp_path: Path) -> None:
+    """--resume with no checkpoint under <output_dir>/checkpoints exits 2 and says where it looked."""
+    code, out, err = _finish(_app(tmp_path, "--resume"), timeout=60)
+    assert code == 2
+    assert f"--resume found no complete checkpoint under {tmp_path / 'out' / 'checkpoints'}" in err
+
+
+def test_fresh_run_refuses_an_output_dir_that_holds_checkpoints(tmp_path: Path) -> None:
+    """Without --resume, a run into a folder with checkpoints exits 2 instead of mixing two runs."""
+    from forge.checkpoint import TrainingState, save_checkpoint
+
+    save_checkpoint(tmp_path / "out" / "checkpoints", {"w": torch.zeros(2)}, TrainingState(4, 4, {}, {}))
+    code, out, err = _finish(_app(tmp_path), timeout=60)
+    assert code == 2
+    assert "holds checkpoints of an earlier run (newest step_00000004); add --resume" in err

@@ -67,5 +67,14 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
         load_checkpoint(broken)
 
 
+def test_a_save_removes_the_temporary_folder_of_a_killed_save(tmp_path):
+    """Leftovers of a save killed mid-write do not pile up: the next save removes them."""
+    model, opt = tiny_model_and_optimizer()
+    (tmp_path / ".tmp_killed").mkdir()
+    (tmp_path / ".tmp_killed" / "model.safetensors").write_bytes(b"partial")
+    save_checkpoint(tmp_path, model.state_dict(), TrainingState(1, 1, opt.state_dict(), capture_rng()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+
+
 def test_no_checkpoint_means_none(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,6 +132,29 @@ async def test_reward_actor_weights_functions_and_isolates_failures():
         await actor.stop()
 
 
+# ------------------------------------------------------------------ dataset
+async def test_dataset_seek_continues_the_stream_where_a_position_left_it():
+    """A fresh dataset sought to position 3 hands out the 4th prompt next, as the first did."""
+    from monarch.actor import this_proc
+
+    from forge.actors.dataset import Dataset, DatasetConfig
+
+    config = DatasetConfig(source="toy", seed=7)
+    first = this_proc().spawn("dataset_first", Dataset, config)
+    second = this_proc().spawn("dataset_second", Dataset, config)
+    try:
+        await first.setup.call_one()
+        await second.setup.call_one()
+        prompts = await first.sample_many.call_one(5)
+        assert await first.position.call_one() == 5
+        await second.seek.call_one(3)
+        assert await second.position.call_one() == 3
+        assert [p.prompt_id for p in await second.sample_many.call_one(2)] == [p.prompt_id for p in prompts[3:]]
+    finally:
+        await first.stop()
+        await second.stop()
+
+
 # ------------------------------------------------------------------ trainer
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -176,5 +200,94 @@ async def test_trainer_step_is_on_policy_bumps_version_and_publishes_tensors(mod
         after, version = await trainer.weights.call_one()
         assert version == 1
         assert any(not torch.equal(before[k], after[k]) for k in before)
+    finally:
+        await trainer.stop()
+
+
+async def test_trainer_resumed_from_a_checkpoint_continues_exactly(model_dir: Path, tmp_path: Path):
+    """A fresh trainer loading step 1's checkpoint has the same weights, optimizer state,
+    version and RNG state, so its step 2 equals the original trainer's bit for bit."""
+    from monarch.actor import this_proc
+
+    from forge.actors.trainer import Trainer, TrainerConfig
+    from forge.checkpoint import load_checkpoint
+
+    def config(name: str) -> TrainerConfig:
+        return TrainerConfig(model_path=str(model_dir), temperature=0.7, lr=1e-2, checkpoint_dir=str(tmp_path / name))
+
+    first_batch = _on_policy_batch(model_dir, temperature=0.7)
+    second_batch = _on_policy_batch(model_dir, temperature=0.7)
+    original = this_proc().spawn("trainer_original", Trainer, config("original"))
+    resumed = this_proc().spawn("trainer_resumed", Trainer, config("resumed"))
+    try:
+        await original.setup.call_one()
+        await original.train_step.call_one(first_batch)
+        torch.rand(5)  # the RNG state saved is then not the seed's
+        path = await original.save_checkpoint.call_one(1, {"dataset_position": 12})
+        expected_draw = torch.rand(4)  # actors spawned on this_proc share this process's RNG
+        await original.train_step.call_one(second_batch)
+        want, want_version = await original.weights.call_one()
+
+        await resumed.setup.call_one()  # reseeds torch: the RNG state is not step 1's any more
+        step, version, extra = await resumed.load_checkpoint.call_one(path)
+        assert (step, version, extra) == (1, 1, {"dataset_position": 12})
+        assert torch.equal(torch.rand(4), expected_draw)
+        resaved = await resumed.save_checkpoint.call_one(1)
+        (w0, s0), (w1, s1) = load_checkpoint(path), load_checkpoint(resaved)
+        assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+        for p0, p1 in zip(s0.optimizer["state"].values(), s1.optimizer["state"].values()):
+            assert all(torch.equal(p0[k], p1[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+        await resumed.train_step.call_one(second_batch)
+        got, got_version = await resumed.weights.call_one()
+        assert got_version == want_version == 2
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        await original.stop()
+        await resumed.stop()
+
+
+async def test_trainer_refuses_a_checkpoint_of_another_model_shape(model_dir: Path, tmp_path: Path):
+    """Loading a checkpoint whose tensors have other shapes is an error naming tensor and shapes."""
+    from monarch.actor import this_proc
+
+    from forge.actors.trainer import Trainer, TrainerConfig
+    from forge.models import make_tiny_model
+
+    wider = make_tiny_model(tmp_path / "wider", hidden_size=128)
+    small_cfg = TrainerConfig(model_path=str(model_dir), checkpoint_dir=str(tmp_path / "ckpt"))
+    small = this_proc().spawn("trainer_small", Trainer, small_cfg)
+    wide = this_proc().spawn("trainer_wide", Trainer, TrainerConfig(model_path=str(wider)))
+    try:
+        await small.setup.call_one()
+        await wide.setup.call_one()
+        path = await small.save_checkpoint.call_one(3)
+        shapes = r"model\.embed_tokens\.weight is \[\d+, 64\] in the checkpoint but \[\d+, 128\] in the model"
+        with pytest.raises(Exception, match=f"does not fit the model: {shapes}"):
+            await wide.load_checkpoint.call_one(path)
+    finally:
+        await small.stop()
+        await wide.stop()
+
+
+async def test_trainer_first_publish_removes_weight_files_of_killed_trainers(model_dir: Path, tmp_path: Path):
+    """Files a killed trainer published (its pid is gone) are removed; a live process's stay."""
+    import subprocess
+    import sys
+
+    from monarch.actor import this_proc
+
+    from forge.actors.trainer import Trainer, TrainerConfig
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"weights-{int(dead.stdout)}-4-v4.safetensors"
+    live = tmp_path / f"weights-{os.getppid()}-1-v1.safetensors"
+    orphan.write_bytes(b"x")
+    live.write_bytes(b"x")
+    trainer = this_proc().spawn("trainer_publish", Trainer, TrainerConfig(model_path=str(model_dir)))
+    try:
+        await trainer.setup.call_one()
+        path, version = await trainer.publish_weights.call_one(str(tmp_path))
+        assert version == 0 and Path(path).exists()
+        assert not orphan.exists() and live.exists()
     finally:
         await trainer.stop()

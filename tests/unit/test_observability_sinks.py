@@ -38,6 +38,18 @@ def test_jsonl_sink_refuses_to_log_after_close(tmp_path):
         sink.log(0, {"x": 1.0})
 
 
+def test_jsonl_sink_resumed_after_a_step_keeps_earlier_rows_and_appends(tmp_path):
+    """Rows past the resume step and a line cut short by a kill are dropped; new rows append."""
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo'
+    )
+    sink = JsonlSink(tmp_path, resume_after=2)
+    sink.log(3, {"loss": 30.0})
+    sink.close()
+    rows = [json.loads(line) for line in sink.path.read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 def test_console_sink_logs_one_compact_line_per_step(caplog):
     """'step 12 | loss 0.1235 | reward_mean 0.5' through the forge.metrics logger."""
     with caplog.at_level(logging.INFO, logger="forge.metrics"):
