@@ -39,7 +39,8 @@ from forge.controller import quiet_monarch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from apps.grpo.main import Roles, prepare_model, start_roles, stop_roles, sync_weights  # noqa: E402
+from apps.grpo.roles import Roles, prepare_model, start_roles, stop_roles  # noqa: E402
+from apps.grpo.training import sync_weights  # noqa: E402
 
 PHASES = ("generation", "reward", "reference", "training", "weight_sync")
 

@@ -9,9 +9,13 @@ live in ``__post_init__``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
+
+from forge.actors.policy import PolicySettings
+from forge.actors.trainer import TrainerSettings
 
 
 @dataclass(kw_only=True)
@@ -55,21 +59,9 @@ class Placement:
 
 
 @dataclass(kw_only=True)
-class PolicySection(Placement):
-    max_tokens: int = 16
-    """Most response tokens per completion."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer and the reference compute logprobs at it too."""
-    top_p: float = 1.0
-    """Nucleus sampling. Keep 1.0: the trainer's logprobs do not apply a top-p mask."""
-    max_model_len: int = 256
-    """Longest prompt + response the engine accepts."""
-    dtype: str = "float32"
-    """Engine dtype (``bfloat16`` on GPUs)."""
-    kv_cache_bytes: int = 64 << 20
-    """vLLM KV cache size (CPU); allocated in full at start."""
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra ``vllm.LLM`` arguments, e.g. ``gpu_memory_utilization``."""
+class PolicySection(Placement, PolicySettings):
+    """The policy's settings (``forge.actors.policy.PolicySettings``) and placement. Keep
+    ``top_p`` at 1.0: the trainer's logprobs apply no nucleus mask."""
 
 
 @dataclass(kw_only=True)
@@ -85,33 +77,14 @@ class RewardSection(Placement):
 
 
 @dataclass(kw_only=True)
-class TrainerSection(Placement):
-    lr: float = 1e-3
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping by global norm; 0 disables it."""
-    clip_eps: float = 0.2
-    """PPO clip range of the importance ratio."""
-    clip_eps_high: float | None = None
-    """Upper clip range (clip-higher); null means ``clip_eps``."""
-    beta: float = 0.04
-    """Weight of the k3 KL to the reference model."""
-    micro_batch_size: int = 0
-    """Sequences per forward/backward (gradient accumulation); 0 is the whole batch."""
-    dtype: str = "float32"
-    """Dtype of the trained weights."""
-    publish_dtype: str | None = None
-    """Dtype of the weights sent to the policy; null keeps ``dtype``."""
-    num_threads: int = 0
-    """Torch CPU threads of the trainer process; 0 keeps torch's default."""
+class TrainerSection(Placement, TrainerSettings):
+    """The trainer's settings (``forge.actors.trainer.TrainerSettings``), placement and
+    checkpointing."""
+
     checkpoint_every: int = 0
     """Save a full checkpoint (weights, optimizer, step, policy version, RNG, dataset position)
     under ``<logging.output_dir>/checkpoints`` every N steps and at the last step; 0 never.
     ``--resume`` continues a killed run from the newest one."""
-    keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep."""
 
 
 @dataclass(kw_only=True)
@@ -214,6 +187,11 @@ class GRPOConfig:
             raise ValueError("logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source")
         if not self.reward.fns:
             raise ValueError("reward.fns needs at least one reward function")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where the run's checkpoints go: ``<logging.output_dir>/checkpoints``."""
+        return str(Path(self.logging.output_dir) / "checkpoints")
 
     @property
     def rollout_concurrency(self) -> int:

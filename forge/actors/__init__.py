@@ -5,11 +5,11 @@ other: the controller (``apps/grpo/main.py``) wires them together through the se
 """
 
 from forge.actors.dataset import Dataset, DatasetConfig
-from forge.actors.policy import Policy, PolicyConfig, PromptAffinity, PromptKey, prompt_key
+from forge.actors.policy import Policy, PolicyConfig, PolicySettings, PromptAffinity, PromptKey, prompt_key
 from forge.actors.reference_model import ReferenceConfig, ReferenceModel, length_bucket
 from forge.actors.replay_buffer import BufferStats, GroupBuffer, ReplayBuffer, Sample, group_version
 from forge.actors.reward import RewardActor, resolve_reward
-from forge.actors.trainer import Trainer, TrainerConfig
+from forge.actors.trainer import Trainer, TrainerConfig, TrainerSettings
 
 __all__ = [
     "BufferStats",
@@ -18,6 +18,7 @@ __all__ = [
     "GroupBuffer",
     "Policy",
     "PolicyConfig",
+    "PolicySettings",
     "PromptAffinity",
     "PromptKey",
     "ReferenceConfig",
@@ -27,6 +28,7 @@ __all__ = [
     "Sample",
     "Trainer",
     "TrainerConfig",
+    "TrainerSettings",
     "group_version",
     "length_bucket",
     "prompt_key",

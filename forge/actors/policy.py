@@ -5,13 +5,15 @@ Callers send one ``Prompt`` each::
     policy = await Policy.options(endpoint_routers={"generate": PromptAffinity}).as_service(cfg)
     group = await policy.generate.route(prompt, key=prompt_key(prompt))
 
-The replica prebatches concurrent prompts and makes **one** engine call per batch
-(``VllmEngine.generate``, where vLLM batches prompts x ``group_size`` samples itself); that was
-faster on CPU than an async engine fed concurrently (see /work/shared/research/vllm_cpu.md §2:
-one batched ``LLM.generate`` 8.5-11.9k tok/s, ``AsyncLLM`` with 256 concurrent requests 7.2k).
-Every completion carries its prompt/response token ids, the behaviour logprob of each sampled
-token (``processed_logprobs``: after temperature, what the trainer computes) and the policy
-version it was sampled with.
+The replica prebatches concurrent prompts, and ``PolicyConfig.engine_mode`` says how a batch
+reaches vLLM: ``"batched"`` (the default) makes **one** ``VllmEngine.generate`` call, where vLLM
+batches prompts x ``group_size`` samples itself; ``"async"`` feeds ``AsyncVllmEngine`` (vLLM's
+``AsyncLLM``) one request per prompt, all in flight at once. Batched is faster for the GRPO
+app's batches on CPU (``benchmarks/policy_engine.py``, grpo_tiny.yaml, medians): 64 prompts x
+8 x 3 tokens in 107 ms against 146 ms, 16 x 8 x 3 in 25 ms against 41 ms, 256 x 8 x 3 in 405 ms
+against 522 ms (1.3-1.7x over two runs). Every completion carries its prompt/response token ids,
+the behaviour logprob of each sampled token (``processed_logprobs``: after temperature, what
+the trainer computes) and the policy version it was sampled with.
 
 ``update_weights(state_dict, version)`` loads new weights into the running engine in place.
 Endpoints of one actor run one at a time, so an update never lands in the middle of a batch.
@@ -23,6 +25,7 @@ every prompt share one batch on that replica (see ``PromptKey``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Hashable, Mapping, Sequence
@@ -36,19 +39,18 @@ from forge.controller.routing import RouteRequest
 from forge.observability import drain_local_metrics, record_metric
 from forge.types import Completion, Group, Prompt
 
-__all__ = ["PackedGroups", "Policy", "PolicyConfig", "PromptAffinity", "PromptKey", "prompt_key"]
+__all__ = ["PackedGroups", "Policy", "PolicyConfig", "PolicySettings", "PromptAffinity", "PromptKey", "prompt_key"]
 
 logger = logging.getLogger("forge.policy")
 
 
-@dataclass(kw_only=True)
-class PolicyConfig:
-    """How the policy's vLLM engine is started and how it samples."""
+ENGINE_MODES = ("batched", "async")
 
-    model_path: str
-    """Hugging Face checkpoint folder (safetensors + tokenizer)."""
-    group_size: int = 8
-    """Completions sampled per prompt (GRPO's G)."""
+
+@dataclass(kw_only=True)
+class PolicySettings:
+    """How the policy's vLLM engine samples and runs: what a user tunes (an app's config embeds it)."""
+
     max_tokens: int = 16
     """Most response tokens per completion."""
     temperature: float = 1.0
@@ -59,14 +61,32 @@ class PolicyConfig:
     """Extra stop strings (the tokenizer's EOS always stops)."""
     max_model_len: int = 256
     """Longest prompt + response the engine accepts."""
-    seed: int = 0
-    """Seed of the engine's sampler."""
     dtype: str = "float32"
     """Engine weights dtype (``bfloat16`` on GPUs)."""
     kv_cache_bytes: int = 64 << 20
     """KV cache size, allocated in full at start."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra ``vllm.LLM`` arguments (e.g. ``gpu_memory_utilization``)."""
+    """Extra ``vllm.LLM`` / ``AsyncEngineArgs`` arguments (e.g. ``gpu_memory_utilization``)."""
+    engine_mode: str = "batched"
+    """How a batch reaches vLLM: ``batched``, one ``LLM.generate`` call for the whole batch
+    (``VllmEngine``, faster on CPU); ``async``, one ``AsyncLLM`` request per prompt, concurrently
+    (``AsyncVllmEngine``)."""
+
+    def __post_init__(self) -> None:
+        if self.engine_mode not in ENGINE_MODES:
+            raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, got {self.engine_mode!r}")
+
+
+@dataclass(kw_only=True)
+class PolicyConfig(PolicySettings):
+    """Everything the policy needs: its settings plus what the run decides (model, group size, seed)."""
+
+    model_path: str
+    """Hugging Face checkpoint folder (safetensors + tokenizer)."""
+    group_size: int = 8
+    """Completions sampled per prompt (GRPO's G)."""
+    seed: int = 0
+    """Seed of the engine's sampler."""
 
 
 @dataclass(frozen=True)
@@ -176,21 +196,24 @@ class Policy(ForgeActor):
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
-        self.engine: Any = None  # forge.generation.VllmEngine, made in setup
+        self.engine: Any = None  # forge.generation.VllmEngine or AsyncVllmEngine, made in setup
         self.stats = {"batches": 0, "prompts": 0, "tokens": 0, "generate_s": 0.0, "update_s": 0.0}
 
     @endpoint
     async def setup(self) -> None:
-        from forge.generation import VllmEngine
+        from forge.generation import AsyncVllmEngine, VllmEngine
 
         cfg = self.config
-        self.engine = VllmEngine.create(
-            cfg.model_path,
-            max_model_len=cfg.max_model_len,
-            seed=cfg.seed,
-            dtype=cfg.dtype,
-            kv_cache_bytes=cfg.kv_cache_bytes,
-            **cfg.engine_kwargs,
+        engine_cls = {"batched": VllmEngine, "async": AsyncVllmEngine}[cfg.engine_mode]
+        self.engine = await _settle(
+            engine_cls.create(
+                cfg.model_path,
+                max_model_len=cfg.max_model_len,
+                seed=cfg.seed,
+                dtype=cfg.dtype,
+                kv_cache_bytes=cfg.kv_cache_bytes,
+                **cfg.engine_kwargs,
+            )
         )
 
     @staticmethod
@@ -203,20 +226,23 @@ class Policy(ForgeActor):
 
     @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_groups"))
     async def generate(self, prompts: list[Prompt]) -> PackedGroups:
-        """``group_size`` completions of each prompt, from one engine call for the whole batch.
+        """``group_size`` completions of each prompt (one engine call or one request per prompt,
+        by ``engine_mode``).
 
         Returns the batch packed (``PackedGroups``); through the service each caller gets its
         own ``Group``. Called directly on an actor, use ``.unpack()``.
         """
         cfg = self.config
         t0 = time.perf_counter()
-        outputs = self.engine.generate(
-            [p.text for p in prompts],
-            n=cfg.group_size,
-            temperature=cfg.temperature,
-            max_tokens=cfg.max_tokens,
-            top_p=cfg.top_p,
-            stop=cfg.stop,
+        outputs = await _settle(
+            self.engine.generate(
+                [p.text for p in prompts],
+                n=cfg.group_size,
+                temperature=cfg.temperature,
+                max_tokens=cfg.max_tokens,
+                top_p=cfg.top_p,
+                stop=cfg.stop,
+            )
         )
         seconds = time.perf_counter() - t0
         tokens = sum(int(c.token_ids.numel()) for group in outputs for c in group)
@@ -241,7 +267,7 @@ class Policy(ForgeActor):
             from safetensors.torch import load_file
 
             state_dict = load_file(state_dict)
-        self.engine.update_weights(state_dict, version)
+        await _settle(self.engine.update_weights(state_dict, version))
         seconds = time.perf_counter() - t0
         self.stats["update_s"] += seconds
         record_metric("policy/update_weights_s", seconds, "sum")
@@ -267,3 +293,8 @@ class Policy(ForgeActor):
     async def engine_stats(self) -> dict[str, float]:
         """Counters: batches, prompts, tokens generated, seconds in generate and in updates."""
         return dict(self.stats)
+
+
+async def _settle(result: Any) -> Any:
+    """The engine's result: awaited for ``AsyncVllmEngine`` (coroutines), as is for ``VllmEngine``."""
+    return await result if inspect.isawaitable(result) else result

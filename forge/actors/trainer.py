@@ -35,17 +35,15 @@ from forge.losses import grpo_loss
 from forge.models import pack_right_padded, padded_token_logprobs
 from forge.types import Episode, EpisodeBatch
 
-__all__ = ["Trainer", "TrainerConfig"]
+__all__ = ["Trainer", "TrainerConfig", "TrainerSettings"]
 
 _TIED_HEAD = "lm_head.weight"
 
 
 @dataclass(kw_only=True)
-class TrainerConfig:
-    """Model, optimizer and loss settings of the trainer."""
+class TrainerSettings:
+    """The trainer's optimizer, loss and numerics: what a user tunes (an app's config embeds it)."""
 
-    model_path: str
-    """Hugging Face checkpoint folder to start from (the policy's version 0)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -54,8 +52,6 @@ class TrainerConfig:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables it."""
-    temperature: float = 1.0
-    """The sampler's temperature: logprobs are computed at it."""
     clip_eps: float = 0.2
     """PPO clip range of the importance ratio (below 1)."""
     clip_eps_high: float | None = None
@@ -68,16 +64,27 @@ class TrainerConfig:
     """Dtype of the trained weights."""
     publish_dtype: str | None = None
     """Dtype of the weights sent to the policy (e.g. ``bfloat16``); None keeps ``dtype``."""
+    num_threads: int = 0
+    """CPU threads for torch; 0 keeps torch's default."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep; older ones are deleted after each save."""
+
+
+@dataclass(kw_only=True)
+class TrainerConfig(TrainerSettings):
+    """Everything the trainer needs: its settings plus what the run decides (model, seed, the
+    sampler's temperature, where checkpoints go)."""
+
+    model_path: str
+    """Hugging Face checkpoint folder to start from (the policy's version 0)."""
+    temperature: float = 1.0
+    """The sampler's temperature: logprobs are computed at it."""
     pad_id: int = 0
     """Token id used for padding (masked out)."""
     seed: int = 0
     """Torch seed of this process."""
-    num_threads: int = 0
-    """CPU threads for torch; 0 keeps torch's default."""
     checkpoint_dir: str | None = None
     """Where ``save_checkpoint`` writes full checkpoints (``<dir>/step_<N>``); None disables it."""
-    keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep; older ones are deleted after each save."""
 
 
 class Trainer(ForgeActor):

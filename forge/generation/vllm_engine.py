@@ -1,17 +1,26 @@
 """``VllmEngine``: the policy's sampler, a thin synchronous wrapper over an in-process vLLM.
 
-Why it looks like this (measurements in /work/shared/research/vllm_cpu.md):
+Why it looks like this (measurements in /work/shared/research/vllm_cpu.md and
+``benchmarks/policy_engine.py``):
 
 - **In-process ``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.** On CPU this starts in
   ~2.5 s instead of ~20 s, uses one process instead of three and is as fast as anything else
   for one batched call per step. It changes the host process (global RNG seed, a gloo process
   group, thread settings), so run the engine in its own actor, not next to a trainer.
 - **One ``LLM.generate`` call per batch**: vLLM batches all prompts x ``n`` samples itself.
+  Feeding vLLM's ``AsyncLLM`` one request per prompt instead (``AsyncVllmEngine``) was
+  1.3-1.7x slower for the GRPO app's batches on CPU (``benchmarks/policy_engine.py``).
 - **``logprobs_mode="processed_logprobs"``**: the behaviour logprob of each sampled token is
   ``log_softmax(logits / T)``, the quantity the trainer computes
   (``forge.models.logprobs.padded_token_logprobs``). The default mode ignores the temperature.
 - **Weights are reloaded in place** (``forge.generation.weight_sync``), validated first, and the
   prefix cache is reset after every update so no KV block computed with old weights is reused.
+- **Per-call overheads are cut where vLLM lets us** (for the tiny model, vLLM's per-sequence
+  bookkeeping, not the forward pass, is most of a call): string prompts are tokenised in one
+  batched call; vLLM neither detokenises step by step nor decodes each logprob's token (one
+  ``batch_decode`` at the end gives the text; stop strings turn vLLM's detokeniser back on);
+  logprobs come back flat (``flat_logprobs``); on CPU the KV block is 32 tokens, not vLLM's
+  128, so a short RL sequence holds a quarter of the cache and a whole batch fits at once.
 
 The class is plain Python: the caller (a ``ForgeActor``) owns concurrency and lifecycle.
 """
@@ -30,11 +39,14 @@ from forge.generation.weight_sync import TIED_HEAD, checkpoint_spec, validate_st
 from forge.types import Completion
 
 if TYPE_CHECKING:
-    from vllm import LLM, RequestOutput
+    from vllm import LLM, RequestOutput, SamplingParams
 
 __all__ = ["VllmEngine", "configure_vllm_env"]
 
-_EXTENSION = "forge.generation.weight_sync.WeightSyncExtension"
+EXTENSION = "forge.generation.weight_sync.WeightSyncExtension"
+CPU_BLOCK_SIZE = 32
+"""KV block size on CPU: the smallest vLLM's CPU attention supports (a multiple of 32)."""
+Prompts = Sequence[str] | Sequence[Sequence[int]] | Sequence[torch.Tensor]
 
 
 def configure_vllm_env() -> None:
@@ -44,8 +56,10 @@ def configure_vllm_env() -> None:
     to run the engine in child processes). vLLM caches its environment once an engine runs, so
     this must happen before the process's first engine; ``create`` calls it.
     ``OMP_NUM_THREADS=1``: for small models on shared CPUs, more threads were never faster and
-    once 8x slower. (``create`` also swaps the sampler's compiled rank kernel for an eager one
-    on CPU, see ``apply_cpu_sampler_fix``; on a GPU vLLM's compilation is left alone.)
+    often 2-10x slower. Engines started in child processes read it from the environment;
+    torch in this process already read it at import, so ``create`` also applies it with
+    ``torch.set_num_threads``. (``create`` also swaps the sampler's compiled rank kernel for an
+    eager one on CPU, see ``apply_cpu_sampler_fix``; on a GPU vLLM's compilation is left alone.)
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -71,6 +85,7 @@ class VllmEngine:
     ) -> None:
         """Wrap a started ``LLM``; prefer ``VllmEngine.create``, which sets up what this needs."""
         self._llm: LLM | None = llm
+        self._tokenizer = llm.get_tokenizer()
         self._weight_spec = weight_spec
         self._tied = tied_embeddings
         self._in_process = in_process
@@ -90,28 +105,23 @@ class VllmEngine:
     ) -> VllmEngine:
         """Start vLLM on the Hugging Face checkpoint folder ``model_path`` (~3 s on CPU).
 
-        ``kv_cache_bytes`` is allocated in full at start (it adds to RSS); 64 MiB holds ~16k
-        tokens of the tiny model. Extra ``engine_kwargs`` go to ``vllm.LLM`` unchanged.
+        ``kv_cache_bytes`` is allocated in full at start (it adds to RSS); a batch runs in one
+        wave only if every sequence's blocks fit at once: 16 MiB holds 16k tokens of the
+        grpo_tiny model (1 KiB per token), 511 sequences of one 32-token block (one block is
+        vLLM's). Extra ``engine_kwargs`` go to ``vllm.LLM`` unchanged (e.g. ``block_size``).
         """
-        model_dir = _local_model_dir(model_path)
+        model_dir = local_model_dir(model_path)
         configure_vllm_env()
         from vllm import LLM
         from vllm import envs as vllm_envs
 
-        for key in ("logprobs_mode", "worker_extension_cls"):
-            if key in engine_kwargs:
-                raise ValueError(f"{key} is fixed by VllmEngine; do not pass it")
-        llm = LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            kv_cache_memory_bytes=kv_cache_bytes,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=_EXTENSION,
-            **engine_kwargs,
-        )
+        in_process = not vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        threads = os.environ["OMP_NUM_THREADS"]
+        if in_process and threads.isdigit():
+            # The engine runs on this process's torch, which read OMP_NUM_THREADS at import (if
+            # it was unset then, torch took every core: 2-10x slower on 2 shared cores).
+            torch.set_num_threads(int(threads))
+        llm = LLM(**engine_args(model_dir, max_model_len, seed, dtype, kv_cache_bytes, enforce_eager, engine_kwargs))
         # In the worker, wherever it runs: importing the extension there is not enough, since
         # a spawned worker may have imported forge before vllm.
         llm.collective_rpc("forge_apply_cpu_sampler_fix")
@@ -120,7 +130,7 @@ class VllmEngine:
             llm,
             weight_spec=checkpoint_spec(model_dir),
             tied_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
-            in_process=not vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING,
+            in_process=in_process,
         )
 
     @property
@@ -137,7 +147,7 @@ class VllmEngine:
 
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int]] | Sequence[torch.Tensor],
+        prompts: Prompts,
         *,
         n: int,
         temperature: float,
@@ -154,40 +164,12 @@ class VllmEngine:
         mask to match them. ``seed`` makes the call reproducible; each sample still gets its own
         stream, so duplicate prompts give different samples.
         """
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        params = sampling_params(len(prompts), n, temperature, max_tokens, top_p, stop, seed)
         if not prompts:
             return []
-
-        inputs = [_as_prompt(p, i, TokensPrompt) for i, p in enumerate(prompts)]
-        params = [
-            SamplingParams(
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
-                # Explicit, so a checkpoint's generation_config cannot change the distribution
-                # the trainer assumes.
-                top_k=0,
-                min_p=0.0,
-                repetition_penalty=1.0,
-                max_tokens=max_tokens,
-                stop=stop,
-                seed=None if seed is None else seed + i * n,
-                logprobs=0,  # only the sampled token's logprob
-            )
-            for i in range(len(inputs))
-        ]
+        inputs = token_prompts(prompts, self._tokenizer)
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [self._completions(out) for out in outputs]
+        return to_completions(outputs, self._version, decode_with=None if stop else self._tokenizer)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load new weights in place and record their policy ``version``.
@@ -196,19 +178,11 @@ class VllmEngine:
         before anything reaches vLLM, so a bad one raises ``ValueError`` naming the key and
         leaves the engine on its old weights. Then the prefix cache is cleared.
         """
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise ValueError(f"version must be an int, got {version!r}")
-        validate_state_dict(state_dict, self._weight_spec, tied=self._tied)
-        # A tied head is restored from the embedding inside the worker; sending it would also
-        # make safetensors refuse the shared tensor.
-        weights = {k: v for k, v in state_dict.items() if not (self._tied and k == TIED_HEAD)}
+        weights = checked_weights(state_dict, version, self._weight_spec, self._tied)
         if self._in_process:
             self.llm.collective_rpc("forge_load_state_dict", args=(weights,))
         else:
-            from safetensors.torch import save
-
-            blob = save({k: v.detach().contiguous().cpu() for k, v in weights.items()})
-            self.llm.collective_rpc("forge_load_safetensors", args=(blob,))
+            self.llm.collective_rpc("forge_load_safetensors", args=(safetensors_blob(weights),))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self._version = version
@@ -224,31 +198,162 @@ class VllmEngine:
         cleanup_dist_env_and_memory()
         gc.collect()
 
-    def _completions(self, out: RequestOutput) -> list[Completion]:
-        """Turn one vLLM ``RequestOutput`` into ``Completion``s, in sample order."""
+
+# ----------------------------------------------------------------------------- shared with AsyncVllmEngine
+def engine_args(
+    model_dir: Path,
+    max_model_len: int,
+    seed: int,
+    dtype: str,
+    kv_cache_bytes: int,
+    enforce_eager: bool,
+    extra: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs`` for a forge engine."""
+    for key in ("logprobs_mode", "worker_extension_cls"):
+        if key in extra:
+            raise ValueError(f"{key} is fixed by forge's vLLM engines; do not pass it")
+    args: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        enforce_eager=enforce_eager,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=EXTENSION,
+    )
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # vLLM's CPU default is 128-token blocks: a 10-token RL sequence would hold 128 tokens of
+        # cache, and a 16 MiB cache only 127 sequences, so a 64 x 8 batch of 3 tokens took 13
+        # engine steps instead of 3.
+        args["block_size"] = CPU_BLOCK_SIZE
+    args.update(extra)
+    return args
+
+
+def sampling_params(
+    num_prompts: int,
+    n: int,
+    temperature: float,
+    max_tokens: int,
+    top_p: float,
+    stop: list[str] | None,
+    seed: int | None,
+) -> SamplingParams | list[SamplingParams]:
+    """Check the sampling arguments and build vLLM's ``SamplingParams`` for a call.
+
+    One object for all prompts, or one per prompt when ``seed`` is given: prompt ``i`` gets
+    ``seed + i * n``, so every sample has its own stream.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    def make(seed: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            # Explicit, so a checkpoint's generation_config cannot change the distribution the
+            # trainer assumes.
+            top_k=0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            max_tokens=max_tokens,
+            stop=stop,
+            seed=seed,
+            logprobs=0,  # only the sampled token's logprob
+            flat_logprobs=True,  # a few flat lists per sample instead of a dict per token
+            # Stop strings are matched on text; without them the text is decoded once at the
+            # end (``to_completions``), not token by token.
+            detokenize=bool(stop),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    if seed is None:
+        return make(None)
+    return [make(seed + i * n) for i in range(num_prompts)]
+
+
+def token_prompts(prompts: Prompts, tokenizer: Any) -> list[Any]:
+    """vLLM ``TokensPrompt``s; string prompts are tokenised together, as vLLM would one by one."""
+    from vllm.inputs import TokensPrompt
+
+    ids: list[list[int] | None] = [_prompt_ids(p, i) for i, p in enumerate(prompts)]
+    strings = [i for i, p in enumerate(ids) if p is None]
+    if strings:
+        encoded = tokenizer([prompts[i] for i in strings], add_special_tokens=True).input_ids
+        for i, prompt_ids in zip(strings, encoded):
+            ids[i] = prompt_ids
+    return [TokensPrompt(prompt_token_ids=p) for p in ids]
+
+
+def to_completions(
+    outputs: Sequence[RequestOutput], version: int, *, decode_with: Any | None
+) -> list[list[Completion]]:
+    """One list of ``Completion``s (in sample order) per vLLM ``RequestOutput``.
+
+    ``decode_with``: the tokenizer that decodes every sample's text in one call when vLLM did
+    not detokenise (``detokenize=False``); None takes vLLM's text.
+    """
+    samples = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
+    flat = [s for group in samples for s in group]
+    if decode_with is None:
+        texts = [s.text for s in flat]
+    else:
+        texts = decode_with.batch_decode([list(s.token_ids) for s in flat], skip_special_tokens=True)
+    completions: list[list[Completion]] = []
+    k = 0
+    for out, group in zip(outputs, samples):
         prompt_ids = torch.tensor(out.prompt_token_ids, dtype=torch.long)
-        completions = []
-        for sample in sorted(out.outputs, key=lambda c: c.index):
+        row = []
+        for sample in group:
             token_ids = list(sample.token_ids)
-            if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
-                raise RuntimeError(
-                    f"vLLM returned no logprob for some tokens of request {out.request_id}"
-                )
-            logprobs = [sample.logprobs[i][tok].logprob for i, tok in enumerate(token_ids)]
-            completions.append(
+            row.append(
                 Completion(
                     prompt_ids=prompt_ids,
                     token_ids=torch.tensor(token_ids, dtype=torch.long),
-                    logprobs=torch.tensor(logprobs, dtype=torch.float32),
-                    text=sample.text,
-                    policy_version=self._version,
+                    logprobs=torch.tensor(_sampled_logprobs(sample, token_ids, out.request_id), dtype=torch.float32),
+                    text=texts[k],
+                    policy_version=version,
                     finish_reason=str(sample.finish_reason),
                 )
             )
-        return completions
+            k += 1
+        completions.append(row)
+    return completions
 
 
-def _local_model_dir(model_path: str | os.PathLike) -> Path:
+def checked_weights(
+    state_dict: Mapping[str, torch.Tensor], version: int, spec: Mapping[str, tuple[int, ...]], tied: bool
+) -> dict[str, torch.Tensor]:
+    """Validate an update (``ValueError`` names the bad key) and drop a tied head."""
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ValueError(f"version must be an int, got {version!r}")
+    validate_state_dict(state_dict, spec, tied=tied)
+    # A tied head is restored from the embedding inside the worker; sending it would also make
+    # safetensors refuse the shared tensor.
+    return {k: v for k, v in state_dict.items() if not (tied and k == TIED_HEAD)}
+
+
+def safetensors_blob(weights: Mapping[str, torch.Tensor]) -> bytes:
+    """``weights`` as safetensors bytes: what crosses to an engine in another process."""
+    from safetensors.torch import save
+
+    return save({k: v.detach().contiguous().cpu() for k, v in weights.items()})
+
+
+def local_model_dir(model_path: str | os.PathLike) -> Path:
     """The local folder of a checkpoint: a path, or a hub id already in the local HF cache."""
     path = Path(model_path)
     if path.is_dir():
@@ -264,10 +369,10 @@ def _local_model_dir(model_path: str | os.PathLike) -> Path:
         ) from err
 
 
-def _as_prompt(prompt: Any, index: int, tokens_prompt: type) -> Any:
-    """A vLLM prompt for a string or a sequence of token ids; reject anything else by index."""
+def _prompt_ids(prompt: Any, index: int) -> list[int] | None:
+    """A prompt's token ids, None for a string; reject anything else by index."""
     if isinstance(prompt, str):
-        return prompt
+        return None
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1:
             raise ValueError(f"prompts[{index}] must be a 1-D tensor, got {tuple(prompt.shape)}")
@@ -275,7 +380,15 @@ def _as_prompt(prompt: Any, index: int, tokens_prompt: type) -> Any:
     if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
         if not prompt:
             raise ValueError(f"prompts[{index}] is empty")
-        return tokens_prompt(prompt_token_ids=list(prompt))
+        return list(prompt)
     raise ValueError(
         f"prompts[{index}] must be a str or a sequence of int token ids, got {type(prompt)}"
     )
+
+
+def _sampled_logprobs(sample: Any, token_ids: list[int], request_id: str) -> list[float]:
+    """The logprob of each sampled token from vLLM's flat logprobs (``logprobs=0``: one each)."""
+    flat = sample.logprobs
+    if flat is None or flat.token_ids != token_ids:
+        raise RuntimeError(f"vLLM returned no logprob for some tokens of request {request_id}")
+    return flat.logprobs

@@ -1,14 +1,19 @@
-"""VllmEngine against transformers on the tiny model: logprobs, weight sync, bad input.
+"""Both engine modes against transformers on the tiny model: logprobs, weight sync, bad input.
 
-One engine serves the whole module (start-up is ~10 s on CPU); tests that change its weights
-put the seed-0 weights back afterwards (the ``engine`` fixture).
+Each test runs on ``VllmEngine`` (one batched ``LLM.generate``) and on ``AsyncVllmEngine``
+(``AsyncLLM``, one request per prompt). One engine of each mode serves the whole module
+(start-up is ~3-10 s on CPU); tests that change its weights put the seed-0 weights back
+afterwards (the ``engine`` fixture).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,30 +23,55 @@ pytest.importorskip("vllm")
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from forge.generation import VllmEngine  # noqa: E402
+from forge.generation import AsyncVllmEngine, VllmEngine  # noqa: E402
 from forge.models import sequence_logprobs  # noqa: E402
 from forge.types import Completion  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
 MAX_TOKENS = 16
-# The last prompt spans more than one 128-token KV block, so it exercises the prefix cache.
+# The last prompt fills several KV blocks (32 tokens on CPU), so it exercises the prefix cache.
 PROMPTS = ["3+7=", "12*4=", "what is 5-2?", "a", "1+2=" * 60]
 
 
+Engine = VllmEngine | AsyncVllmEngine
+
+
+async def settle(result: Any) -> Any:
+    """An engine call's result: awaited for ``AsyncVllmEngine``, as is for ``VllmEngine``."""
+    return await result if inspect.isawaitable(result) else result
+
+
 @pytest.fixture(scope="module")
-def _engine(tiny_model_dir: Path) -> Iterator[VllmEngine]:
+def batched_engine(tiny_model_dir: Path) -> Iterator[VllmEngine]:
     engine = VllmEngine.create(tiny_model_dir, max_model_len=512, seed=0)
     yield engine
     engine.shutdown()
 
 
+@pytest.fixture(scope="module")
+async def async_engine(tiny_model_dir: Path) -> AsyncIterator[AsyncVllmEngine]:
+    engine = await AsyncVllmEngine.create(tiny_model_dir, max_model_len=512, seed=0)
+    yield engine
+    engine.shutdown()
+    # Spawning the engine-core process started multiprocessing's resource tracker, which would
+    # otherwise live until this process exits (the session checks no child is left behind).
+    from multiprocessing import resource_tracker
+
+    resource_tracker._resource_tracker._stop()
+
+
+@pytest.fixture(params=["batched", "async"])
+def _mode_engine(request: pytest.FixtureRequest) -> Engine:
+    return request.getfixturevalue(f"{request.param}_engine")
+
+
 @pytest.fixture
-def engine(_engine: VllmEngine, tiny_model_dir: Path) -> Iterator[VllmEngine]:
-    """The module's engine, back on the seed-0 weights (version 0) after each test."""
-    yield _engine
-    if _engine.version != 0:
-        _engine.update_weights(load_file(str(tiny_model_dir / "model.safetensors")), 0)
+async def engine(_mode_engine: Engine, tiny_model_dir: Path) -> AsyncIterator[Engine]:
+    """The module's engine of each mode, back on the seed-0 weights (version 0) after each test."""
+    yield _mode_engine
+    if _mode_engine.version != 0:
+        await settle(_mode_engine.update_weights(load_file(str(tiny_model_dir / "model.safetensors")), 0))
 
 
 def _hf_model(path: Path) -> torch.nn.Module:
@@ -62,8 +92,8 @@ def _flat(groups: list[list[Completion]]) -> list[Completion]:
     return [c for group in groups for c in group]
 
 
-def _greedy(engine: VllmEngine) -> list[list[int]]:
-    groups = engine.generate(PROMPTS, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+async def _greedy(engine: Engine) -> list[list[int]]:
+    groups = await settle(engine.generate(PROMPTS, n=1, temperature=0.0, max_tokens=MAX_TOKENS))
     return [group[0].token_ids.tolist() for group in groups]
 
 
@@ -80,12 +110,12 @@ def _hf_greedy(model: torch.nn.Module, tokenizer, prompts: list[str]) -> list[li
     return out
 
 
-def test_generate_returns_n_completions_per_prompt_with_consistent_fields(
-    engine: VllmEngine, tiny_model_dir: Path
+async def test_generate_returns_n_completions_per_prompt_with_consistent_fields(
+    engine: Engine, tiny_model_dir: Path
 ) -> None:
     """Each prompt gets n completions whose ids, logprobs, text and version agree."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    groups = engine.generate(PROMPTS, n=3, temperature=1.0, max_tokens=MAX_TOKENS, seed=0)
+    groups = await settle(engine.generate(PROMPTS, n=3, temperature=1.0, max_tokens=MAX_TOKENS, seed=0))
     assert [len(g) for g in groups] == [3] * len(PROMPTS)
     for prompt, group in zip(PROMPTS, groups):
         for c in group:
@@ -98,23 +128,23 @@ def test_generate_returns_n_completions_per_prompt_with_consistent_fields(
             assert c.finish_reason in ("stop", "length")
 
 
-def test_token_id_prompts_match_string_prompts(engine: VllmEngine, tiny_model_dir: Path) -> None:
+async def test_token_id_prompts_match_string_prompts(engine: Engine, tiny_model_dir: Path) -> None:
     """A prompt given as token ids samples exactly what the same prompt as text samples."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     as_ids = [tokenizer(p).input_ids for p in PROMPTS]
-    by_text = engine.generate(PROMPTS, n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=3)
-    by_ids = engine.generate(as_ids, n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=3)
+    by_text = await settle(engine.generate(PROMPTS, n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=3))
+    by_ids = await settle(engine.generate(as_ids, n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=3))
     for a, b in zip(_flat(by_text), _flat(by_ids)):
         assert torch.equal(a.token_ids, b.token_ids)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_behaviour_logprobs_match_transformers(
-    engine: VllmEngine, hf_model: torch.nn.Module, temperature: float
+async def test_behaviour_logprobs_match_transformers(
+    engine: Engine, hf_model: torch.nn.Module, temperature: float
 ) -> None:
     """vLLM's logprob of each sampled token equals log_softmax(logits / T) from transformers."""
     completions = _flat(
-        engine.generate(PROMPTS, n=4, temperature=temperature, max_tokens=MAX_TOKENS, seed=1)
+        await settle(engine.generate(PROMPTS, n=4, temperature=temperature, max_tokens=MAX_TOKENS, seed=1))
     )
     expected = sequence_logprobs(
         hf_model,
@@ -126,14 +156,14 @@ def test_behaviour_logprobs_match_transformers(
     assert diff <= 1e-3
 
 
-def test_update_weights_switches_greedy_output_to_new_model(
-    engine: VllmEngine, hf_model_alt: torch.nn.Module, tiny_model_dir_alt: Path
+async def test_update_weights_switches_greedy_output_to_new_model(
+    engine: Engine, hf_model_alt: torch.nn.Module, tiny_model_dir_alt: Path
 ) -> None:
     """After update_weights, greedy output is the new model's, token for token, at the new version."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir_alt)
-    before = _greedy(engine)  # also fills the prefix cache with blocks of the old weights
-    engine.update_weights(hf_model_alt.state_dict(), version=1)  # holds the tied lm_head
-    after = engine.generate(PROMPTS, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    before = await _greedy(engine)  # also fills the prefix cache with blocks of the old weights
+    await settle(engine.update_weights(hf_model_alt.state_dict(), version=1))  # holds the tied lm_head
+    after = await settle(engine.generate(PROMPTS, n=1, temperature=0.0, max_tokens=MAX_TOKENS))
 
     assert engine.version == 1
     assert all(group[0].policy_version == 1 for group in after)
@@ -143,19 +173,19 @@ def test_update_weights_switches_greedy_output_to_new_model(
     assert before != [group[0].token_ids.tolist() for group in after]
 
 
-def test_restoring_weights_restores_greedy_output(
-    engine: VllmEngine,
+async def test_restoring_weights_restores_greedy_output(
+    engine: Engine,
     hf_model: torch.nn.Module,
     tiny_model_dir: Path,
     tiny_model_dir_alt: Path,
 ) -> None:
     """Loading other weights and then the original ones (no lm_head key) gives the original output."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    engine.update_weights(load_file(str(tiny_model_dir_alt / "model.safetensors")), version=1)
-    _greedy(engine)
-    engine.update_weights(load_file(str(tiny_model_dir / "model.safetensors")), version=2)
+    await settle(engine.update_weights(load_file(str(tiny_model_dir_alt / "model.safetensors")), version=1))
+    await _greedy(engine)
+    await settle(engine.update_weights(load_file(str(tiny_model_dir / "model.safetensors")), version=2))
     assert engine.version == 2
-    assert _greedy(engine) == _hf_greedy(hf_model, tokenizer, PROMPTS)
+    assert await _greedy(engine) == _hf_greedy(hf_model, tokenizer, PROMPTS)
 
 
 def _missing(sd: dict) -> str:
@@ -181,24 +211,105 @@ def _unexpected(sd: dict) -> str:
 
 
 @pytest.mark.parametrize("corrupt", [_missing, _wrong_shape, _not_a_tensor, _unexpected])
-def test_invalid_state_dict_is_rejected_and_engine_keeps_working(
-    engine: VllmEngine, tiny_model_dir_alt: Path, corrupt
+async def test_invalid_state_dict_is_rejected_and_engine_keeps_working(
+    engine: Engine, tiny_model_dir_alt: Path, corrupt
 ) -> None:
     """A bad state dict raises ValueError naming the key; weights and version stay as they were."""
-    before = _greedy(engine)
+    before = await _greedy(engine)
     state_dict = load_file(str(tiny_model_dir_alt / "model.safetensors"))
     bad_key = corrupt(state_dict)
     with pytest.raises(ValueError, match=re.escape(repr(bad_key))):
-        engine.update_weights(state_dict, version=7)
+        await settle(engine.update_weights(state_dict, version=7))
     assert engine.version == 0
-    assert _greedy(engine) == before
+    assert await _greedy(engine) == before
 
 
-def test_generate_rejects_bad_arguments(engine: VllmEngine) -> None:
+async def test_generate_rejects_bad_arguments(engine: Engine) -> None:
     """Out-of-range sampling arguments and malformed prompts fail before reaching vLLM."""
     with pytest.raises(ValueError, match="n must be"):
-        engine.generate(["1+1="], n=0, temperature=1.0, max_tokens=4)
+        await settle(engine.generate(["1+1="], n=0, temperature=1.0, max_tokens=4))
     with pytest.raises(ValueError, match="top_p"):
-        engine.generate(["1+1="], n=1, temperature=1.0, max_tokens=4, top_p=0.0)
+        await settle(engine.generate(["1+1="], n=1, temperature=1.0, max_tokens=4, top_p=0.0))
     with pytest.raises(ValueError, match=r"prompts\[1\]"):
-        engine.generate(["1+1=", 3.5], n=1, temperature=1.0, max_tokens=4)
+        await settle(engine.generate(["1+1=", 3.5], n=1, temperature=1.0, max_tokens=4))
+
+
+async def test_stop_string_ends_the_text_before_it(engine: Engine) -> None:
+    """With a stop string vLLM detokenises: the text ends just before the string, reason "stop"."""
+    free = (await settle(engine.generate(PROMPTS[:1], n=1, temperature=0.0, max_tokens=MAX_TOKENS)))[0][0]
+    stop = free.text[2]
+    greedy = dict(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    stopped = (await settle(engine.generate(PROMPTS[:1], stop=[stop], **greedy)))[0][0]
+    assert stopped.text == free.text[: free.text.index(stop)]
+    assert stopped.finish_reason == "stop"
+    assert stopped.logprobs.shape == stopped.token_ids.shape
+
+
+async def test_prompt_longer_than_the_model_fails_the_call_and_the_engine_keeps_working(engine: Engine) -> None:
+    """One over-long prompt fails the whole call with vLLM's message; the next call works."""
+    with pytest.raises(Exception, match="maximum context length is 512"):
+        await settle(engine.generate(["1+1=", "1" * 600], n=2, temperature=1.0, max_tokens=4))
+    groups = await settle(engine.generate(["1+1="], n=2, temperature=1.0, max_tokens=4))
+    assert [len(g) for g in groups] == [2]
+
+
+# ------------------------------------------------------------------ the two modes together
+async def test_async_mode_samples_what_batched_mode_samples(
+    batched_engine: VllmEngine, async_engine: AsyncVllmEngine
+) -> None:
+    """With the same seed, one request per prompt gives the batched call's samples and logprobs."""
+    batched = _flat(batched_engine.generate(PROMPTS, n=4, temperature=0.7, max_tokens=MAX_TOKENS, seed=5))
+    concurrent = _flat(await async_engine.generate(PROMPTS, n=4, temperature=0.7, max_tokens=MAX_TOKENS, seed=5))
+    assert len(batched) == len(concurrent) == 4 * len(PROMPTS)
+    for b, a in zip(batched, concurrent):
+        assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.token_ids, b.token_ids)
+        assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
+        assert (a.text, a.finish_reason, a.policy_version) == (b.text, b.finish_reason, b.policy_version)
+
+
+async def test_async_update_waits_for_generate_in_flight(
+    async_engine: AsyncVllmEngine, tiny_model_dir: Path, tiny_model_dir_alt: Path
+) -> None:
+    """A generate already running finishes on the old weights and version; the next uses the new."""
+    old = await _greedy(async_engine)
+    running = asyncio.create_task(
+        async_engine.generate(PROMPTS, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    )
+    await asyncio.sleep(0)  # the call registers and submits its requests
+    try:
+        await async_engine.update_weights(load_file(str(tiny_model_dir_alt / "model.safetensors")), version=1)
+        groups = await running
+        assert [g[0].token_ids.tolist() for g in groups] == old
+        assert all(g[0].policy_version == 0 for g in groups)
+        new = await async_engine.generate(PROMPTS, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+        assert all(g[0].policy_version == 1 for g in new)
+        assert [g[0].token_ids.tolist() for g in new] != old
+    finally:
+        await async_engine.update_weights(load_file(str(tiny_model_dir / "model.safetensors")), version=0)
+
+
+# ------------------------------------------------------------------ the Policy service
+async def test_policy_service_in_async_mode_generates_groups_and_updates_weights(
+    tiny_model_dir: Path, tiny_model_dir_alt: Path
+) -> None:
+    """engine_mode="async" behind the service: a Group per caller, tagged with the loaded version."""
+    from forge.actors.policy import Policy, PolicyConfig, PromptAffinity, prompt_key
+    from forge.types import Prompt
+
+    config = PolicyConfig(
+        model_path=str(tiny_model_dir), group_size=3, max_tokens=4, max_model_len=64, engine_mode="async"
+    )
+    policy = await Policy.options(
+        env={"OMP_NUM_THREADS": "1"}, endpoint_routers={"generate": PromptAffinity}
+    ).as_service(config)
+    try:
+        prompts = [Prompt(prompt_id=str(i), text=f"{i}{i}=", answer="") for i in range(6)]
+        groups = await asyncio.gather(*(policy.generate.route(p, key=prompt_key(p)) for p in prompts))
+        assert [g.prompt.text for g in groups] == [p.text for p in prompts]
+        assert all(len(g.completions) == 3 and g.policy_version == 0 for g in groups)
+        weights = str(tiny_model_dir_alt / "model.safetensors")
+        assert await policy.update_weights.fanout(weights, 1) == [1]
+        group = await policy.generate.route(prompts[0], key=prompt_key(prompts[0]))
+        assert group.policy_version == 1
+    finally:
+        await policy.shutdown()

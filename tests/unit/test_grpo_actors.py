@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge.actors.policy import PackedGroups, PromptAffinity, PromptKey, prompt_key
+from forge.actors.policy import PackedGroups, PolicyConfig, PromptAffinity, PromptKey, prompt_key
 from forge.actors.reference_model import PackedPairs, ReferenceModel, length_bucket
 from forge.actors.reward import RewardActor, resolve_reward
 from forge.controller.routing import RouteRequest
@@ -68,6 +68,14 @@ def test_packed_groups_round_trip_without_views():
             assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.logprobs, want.logprobs)
             assert torch.equal(got.prompt_ids, want.prompt_ids) and got.text == want.text and got.policy_version == 3
             assert got.token_ids.untyped_storage().nbytes() == got.token_ids.numel() * 8  # not a view
+
+
+def test_policy_config_accepts_only_known_engine_modes():
+    """engine_mode is "batched" (the default) or "async"; anything else names the choices."""
+    assert PolicyConfig(model_path="m").engine_mode == "batched"
+    assert PolicyConfig(model_path="m", engine_mode="async").engine_mode == "async"
+    with pytest.raises(ValueError, match=r"engine_mode must be one of \('batched', 'async'\), got 'sync'"):
+        PolicyConfig(model_path="m", engine_mode="sync")
 
 
 # ------------------------------------------------------------------ reference packing and buckets

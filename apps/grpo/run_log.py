@@ -1,0 +1,114 @@
+"""Per-step metrics of the GRPO app: to metrics.jsonl (and TensorBoard), a progress bar, a plot
+and a one-line summary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from apps.grpo.roles import Roles, call_role
+
+
+class RunLog:
+    """Per-step metrics: the roles' records and the step's own, reduced, to every sink."""
+
+    def __init__(self, cfg: Any, terminal: Any, resume_after: int | None = None) -> None:
+        """``resume_after``: the checkpoint's step when resuming; the earlier steps' rows are
+        kept (and count in the summary), later ones dropped. None starts a fresh record."""
+        from forge.observability import MetricAggregator, make_sinks
+
+        self.cfg = cfg
+        self.out = Path(cfg.logging.output_dir)
+        self.aggregator = MetricAggregator()
+        self.sinks = make_sinks(list(cfg.logging.sinks), self.out, resume_after)
+        if "console" in cfg.logging.sinks:
+            logging.getLogger("forge.metrics").setLevel(logging.INFO)
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.resume_after = resume_after
+        self._drain: asyncio.Task | None = None
+        self.rows: list[dict[str, float]] = []
+        if resume_after is not None:
+            self.rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines()]
+        self.bar = None
+        if cfg.logging.progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=cfg.steps, initial=len(self.rows), desc="grpo", unit="step", file=terminal, dynamic_ncols=True
+            )
+
+    async def step(self, step: int, metrics: dict[str, float], roles: Roles) -> None:
+        """Log one step: ``metrics`` plus what the services recorded, to every sink.
+
+        The services' records are drained in the background: a drain message queues behind
+        the batch a replica is running (a policy's generate), and awaiting it every step put
+        about 0.18 s on each step of the tiny run. So a step's row holds the records of the
+        last drain that had finished by then, and a new drain starts when none is in flight;
+        the last step waits for a final drain, so no record is lost.
+        """
+        from forge.observability import drain_local_metrics
+
+        final = step >= self.cfg.steps
+        if self._drain is not None and (self._drain.done() or final):
+            self._absorb(await self._drain)
+            self._drain = None
+        if final:
+            self._absorb(await self._drain_services(roles))
+        elif self._drain is None:
+            self._drain = asyncio.create_task(self._drain_services(roles), name="drain-metrics")
+        self.aggregator.extend(drain_local_metrics())
+        for name, value in metrics.items():
+            self.aggregator.record(name, value, "last")
+        row = self.aggregator.flush(step)
+        self.rows.append(row)
+        for sink in self.sinks:
+            sink.log(step, row)
+        if self.bar is not None:
+            self.bar.set_postfix(
+                reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.4f}", step_s=f"{row['step_time_s']:.2f}", refresh=False
+            )
+            self.bar.update(1)
+
+    @staticmethod
+    async def _drain_services(roles: Roles) -> list[list[Any]]:
+        drains = [call_role(name, svc.drain_metrics.fanout()) for name, svc in roles.services().items()]
+        return list(await asyncio.gather(*drains))
+
+    def _absorb(self, drained: list[list[Any]]) -> None:
+        for records in drained:
+            for replica_records in records:
+                self.aggregator.extend(replica_records)
+
+    def close(self) -> None:
+        if self._drain is not None:
+            self._drain.cancel()  # the run ended early: its records are not logged
+            self._drain = None
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    def plot(self) -> Path | None:
+        if not self.rows or not self.cfg.logging.plot:
+            return None
+        from forge.observability import plot_run
+
+        return plot_run(self.metrics_path, self.out / "reward_loss.png", keys=("reward_mean", "loss", "kl"))
+
+    def summary(self, elapsed_s: float, startup_s: float) -> str:
+        rewards = [r["reward_mean"] for r in self.rows]
+        if not rewards:
+            return f"grpo: no step completed in {elapsed_s:.1f}s"
+        k = min(10, len(rewards))
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        resumed = f" (resumed after step {self.resume_after})" if self.resume_after is not None else ""
+        return (
+            f"grpo: {len(rewards)} steps{resumed} in {elapsed_s:.1f}s (startup {startup_s:.1f}s); "
+            f"reward first-{k} {first:.3f} -> last-{k} {last:.3f}; final loss {self.rows[-1]['loss']:.4f}; "
+            f"metrics {self.metrics_path}"
+        )
