@@ -88,9 +88,10 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "TRANSFORMERS_VERBOSITY": "error",
         "TORCH_CPP_LOG_LEVEL": "ERROR",
+        "VLLM_LOGGING_LEVEL": "ERROR",  # any role that imports forge.generation imports vLLM
         "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning:multiprocessing.resource_tracker",
     }
-    policy_env = {**quiet, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
+    policy_env = {**quiet, "OMP_NUM_THREADS": "1"}
     roles = Roles()
 
     gpus = assign_gpus(cfg)

