@@ -282,11 +282,11 @@ class Service:
             self._waiting -= 1
 
     async def request(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable, timeout: float | None,
-                      tried: set[tuple[int, int]] | None = None, retries: int | None = None) -> Any:
+                      queued: tuple[Replica, int, asyncio.Future] | None = None) -> Any:
         """Route one request, resending it elsewhere if its replica dies before answering.
 
-        ``tried``/``retries``: replicas (id, generation) already tried and retries left, for a
-        request whose first attempt was queued by ``queue_batched``.
+        ``queued``: the first attempt of a batched item that ``queue_batched`` already queued
+        (its replica, that replica's generation then, the item's future).
         """
         batched = endpoint in self.batching
         if not batched:
@@ -296,15 +296,20 @@ class Service:
         # A batched request without its own timeout arms no timer: each batch's message has
         # call_timeout_s, so every queued item is answered or failed in bounded time anyway,
         # and 2,000 queued singletons don't pay for 2,000 timers.
-        if retries is None:
-            retries = self._retries(endpoint)
-        tried = set() if tried is None else tried
+        retries = self.options.max_retries if retry_allowed(self.endpoints[endpoint]) else 0
+        tried: set[tuple[int, int]] = set()
         while True:
-            replica = self.choose(endpoint, key, await self._admit(endpoint, tried))
-            generation = replica.generation
+            if queued is not None:
+                replica, generation, future = queued
+                queued = None
+            else:
+                replica = self.choose(endpoint, key, await self._admit(endpoint, tried))
+                generation, future = replica.generation, None
             try:
                 if batched:
-                    return await replica.submit(endpoint, args[0], key, timeout)
+                    if future is None:
+                        future = replica.enqueue(endpoint, args[0], key)
+                    return await replica.wait_item(endpoint, future, timeout)
                 return await replica.call(endpoint, args, kwargs, timeout)
             except ReplicaFailed as exc:
                 tried.add((replica.replica_id, generation))
@@ -316,9 +321,6 @@ class Service:
             finally:
                 if self._waiting:
                     await self._notify_capacity()
-
-    def _retries(self, endpoint: str) -> int:
-        return self.options.max_retries if retry_allowed(self.endpoints[endpoint]) else 0
 
     def queue_batched(self, endpoint: str, item: Any, key: Hashable, timeout: float | None) -> Coroutine[Any, Any, Any]:
         """Queue one item of a batched endpoint *now*, and return the coroutine that waits for it.
@@ -337,28 +339,10 @@ class Service:
             return self.request(endpoint, (item,), {}, key, timeout)
         try:
             replica = self.choose(endpoint, key, candidates)
-            future = replica.enqueue(endpoint, item, key)
+            queued = (replica, replica.generation, replica.enqueue(endpoint, item, key))
         except Exception as exc:  # noqa: BLE001 - surfaces when the caller awaits, like any other error
             return _raise(exc)
-        return self._await_batched(endpoint, item, key, timeout, replica, future)
-
-    async def _await_batched(self, endpoint: str, item: Any, key: Hashable, timeout: float | None,
-                             replica: Replica, future: asyncio.Future) -> Any:
-        """The result of an item ``queue_batched`` queued; resent elsewhere if its replica died."""
-        generation = replica.generation
-        try:
-            return await replica.wait_item(endpoint, future, timeout)
-        except ReplicaFailed as exc:
-            retries = self._retries(endpoint)
-            if retries <= 0 or self._stopped:
-                raise
-            self.retried += 1
-            logger.info("retrying %s.%s on another replica: %s", self.actor_cls.__name__, endpoint, exc)
-            return await self.request(endpoint, (item,), {}, key, timeout,
-                                      tried={(replica.replica_id, generation)}, retries=retries - 1)
-        finally:
-            if self._waiting:
-                await self._notify_capacity()
+        return self.request(endpoint, (item,), {}, key, timeout, queued=queued)
 
     def _check_call(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Wrong arity or keyword names fail here, naming the endpoint's signature."""
