@@ -106,17 +106,25 @@ def run_forge(cfg: Any, config: str, overrides: list[str], out_dir: Path) -> dic
         raise RuntimeError(f"cannot read the loop's wall time from the app's summary line: {summary!r}")
     train_s = float(match.group(2)) - float(match.group(3))
     return {
-        "steps": len(rows),
+        **run_figures(train_s, wall, step_times, [r["reward_mean"] for r in rows], load),
+        "command": " ".join(["python", *cmd[1:]]),
+    }
+
+
+def run_figures(train_s: float, wall_s: float, step_times: list[float], rewards: list[float], load: float) -> dict[str, Any]:
+    """The figures both systems report, computed one way: ``train_s`` is the training loop's
+    wall time, ``wall_s`` the whole run's (start-up is the difference)."""
+    return {
+        "steps": len(step_times),
         "train_s": train_s,
         "sum_step_time_s": sum(step_times),
-        "startup_s": wall - train_s,
-        "wall_s": wall,
-        "s_per_step": train_s / len(rows),
-        "steps_per_s": len(rows) / train_s,
+        "startup_s": wall_s - train_s,
+        "wall_s": wall_s,
+        "s_per_step": train_s / len(step_times),
+        "steps_per_s": len(step_times) / train_s,
         "step_time_s": step_times,
-        "reward_mean": [r["reward_mean"] for r in rows],
+        "reward_mean": rewards,
         "load_avg_1m_before": load,
-        "command": " ".join(["python", *cmd[1:]]),
     }
 
 
@@ -237,16 +245,7 @@ def run_trl(cfg: Any, model_path: str, out_dir: Path, threads: int) -> dict[str,
     train_s = timer.ends[-1] - timer.starts[0]
     step_times = [e - s for s, e in zip(timer.starts, timer.ends)]
     return {
-        "steps": len(step_times),
-        "train_s": train_s,
-        "sum_step_time_s": sum(step_times),
-        "startup_s": wall - train_s,
-        "wall_s": wall,
-        "s_per_step": train_s / len(step_times),
-        "steps_per_s": len(step_times) / train_s,
-        "step_time_s": step_times,
-        "reward_mean": timer.rewards,
-        "load_avg_1m_before": load,
+        **run_figures(train_s, wall, step_times, timer.rewards, load),
         "torch_threads": threads,
         "trl_args": {k: v for k, v in args.to_dict().items() if k in TRL_ARGS_SHOWN},
     }

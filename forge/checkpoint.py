@@ -15,13 +15,14 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from forge.staging import staged_folder
 
 _MODEL_FILE = "model.safetensors"
 _STATE_FILE = "trainer_state.pt"
@@ -81,17 +82,10 @@ def save_checkpoint(root: str | os.PathLike, model_state: dict[str, torch.Tensor
     for stale in root.glob(".tmp_*"):  # left by a save that was killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"{_PREFIX}{state.step:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp_", dir=root))
-    try:
+    with staged_folder(final, prefix=".tmp_") as tmp:
         unique, aliases = _unique_tensors(model_state)
         save_file(unique, str(tmp / _MODEL_FILE), metadata={"aliases": repr(aliases)})
         torch.save({**state.__dict__, "aliases": aliases}, tmp / _STATE_FILE)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -23,8 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -39,6 +37,8 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from forge.staging import staged_folder
 
 __all__ = [
     "ARCHS",
@@ -152,16 +152,8 @@ def make_tiny_model(
         what = "a tiny model with other settings" if existing else "an incomplete or foreign model"
         raise ValueError(f"{path} already holds {what}; pass overwrite=True to replace it")
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with staged_folder(path, prefix=f".{path.name}.") as staging:
         _write_model(staging, spec)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return path
 
 

@@ -1,0 +1,36 @@
+"""Folders written all at once: readers see the old folder or the complete new one, never half.
+
+A killed writer (a trainer SIGKILLed mid-checkpoint, a tiny model interrupted while being made)
+must not leave a folder that looks finished. Both write into a fresh folder beside the target
+and move it into place only when every file is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["staged_folder"]
+
+
+@contextlib.contextmanager
+def staged_folder(final: Path, prefix: str) -> Iterator[Path]:
+    """Yield an empty folder beside ``final`` (named ``<prefix>...``) to write into.
+
+    When the block ends without an error it replaces ``final`` (an old ``final`` is removed
+    first); when the block raises it is removed and ``final`` is left as it was.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
+    try:
+        yield staging
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
