@@ -81,7 +81,11 @@ async def measure_steps(cfg: Any, roles: Roles, steps: int) -> dict[str, Any]:
             r = rewards[gi * n : (gi + 1) * n]
             adv = group_advantages(torch.tensor(r)).tolist()
             for j, c in enumerate(g.completions):
-                episodes.append(Episode(f"{gi}", c.prompt_ids, c.token_ids, c.logprobs, refs[gi * n + j], r[j], adv[j], c.policy_version))
+                episodes.append(
+                    Episode(
+                        f"{gi}", c.prompt_ids, c.token_ids, c.logprobs, refs[gi * n + j], r[j], adv[j], c.policy_version
+                    )
+                )
         t3 = time.perf_counter()
         await roles.trainer.train_step.call_one(EpisodeBatch.pack(episodes))
         t4 = time.perf_counter()
@@ -149,7 +153,9 @@ async def measure_weight_sync(cfg: Any, roles: Roles, repeats: int) -> dict[str,
     return out
 
 
-def _bare_engine_process(conn: Any, model_path: str, engine_args: dict[str, Any], texts: list[str], sample: dict[str, Any]) -> None:
+def _bare_engine_process(
+    conn: Any, model_path: str, engine_args: dict[str, Any], texts: list[str], sample: dict[str, Any]
+) -> None:
     """A plain process (no Monarch) with a bare ``VllmEngine``: one generate per request."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -176,11 +182,19 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
         # Monarch; service and bare rounds alternate on the same prompts, so load drift on
         # shared cores hits both alike.
         prompts = await roles.dataset.sample_many.call_one(cfg.prompts_per_step)
-        engine_args = dict(max_model_len=p.max_model_len, seed=cfg.seed, dtype=p.dtype, kv_cache_bytes=p.kv_cache_bytes, **p.engine_kwargs)
+        engine_args = dict(
+            max_model_len=p.max_model_len,
+            seed=cfg.seed,
+            dtype=p.dtype,
+            kv_cache_bytes=p.kv_cache_bytes,
+            **p.engine_kwargs,
+        )
         sample = dict(n=cfg.group_size, temperature=p.temperature, max_tokens=p.max_tokens)
         conn, child_conn = multiprocessing.Pipe()
         bare = multiprocessing.get_context("spawn").Process(
-            target=_bare_engine_process, args=(child_conn, model_path, engine_args, [q.text for q in prompts], sample), daemon=True
+            target=_bare_engine_process,
+            args=(child_conn, model_path, engine_args, [q.text for q in prompts], sample),
+            daemon=True,
         )
         bare.start()
         loop = asyncio.get_running_loop()
@@ -200,8 +214,14 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
             bare_rates.append(n / seconds)
         conn.send("stop")
         bare.join(timeout=30)
-        result: dict[str, Any] = {"config": {"prompts_per_step": cfg.prompts_per_step, "group_size": cfg.group_size,
-                                             "max_tokens": p.max_tokens, "temperature": p.temperature}}
+        result: dict[str, Any] = {
+            "config": {
+                "prompts_per_step": cfg.prompts_per_step,
+                "group_size": cfg.group_size,
+                "max_tokens": p.max_tokens,
+                "temperature": p.temperature,
+            }
+        }
         result["rounds"] = rounds
         result["rollout_tokens_per_s"] = statistics.median(service_rates)
         result["bare_vllm_tokens_per_s"] = statistics.median(bare_rates)
@@ -216,7 +236,10 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"\nGRPO step breakdown (median of {result['steps']} steps, {result['step_time_s'] * 1e3:.0f} ms/step, phases run one after another)")
+    print(
+        f"\nGRPO step breakdown (median of {result['steps']} steps, {result['step_time_s'] * 1e3:.0f} ms/step, "
+        "phases run one after another)"
+    )
     print(f"{'phase':<14}{'ms/step':>10}{'share':>9}")
     for k in PHASES:
         print(f"{k:<14}{result[f'{k}_s'] * 1e3:>10.1f}{result[f'share_{k}']:>9.1%}")
@@ -226,10 +249,21 @@ def print_table(result: dict[str, Any]) -> None:
         ("bare vLLM tokens/s (same prompts)", f"{result['bare_vllm_tokens_per_s']:.0f}"),
         ("rollout_vs_bare_vllm_tokens_per_s", f"{result['rollout_vs_bare_vllm_tokens_per_s']:.3f}  (goal >= 0.9)"),
         ("state dict", f"{result['state_dict_bytes'] / 1e6:.2f} MB"),
-        ("in-process copy", f"{result['memcpy_bytes_per_s'] / 1e9:.2f} GB/s (copy_; clone() {result['clone_bytes_per_s'] / 1e9:.2f} GB/s)"),
-        ("sync via message", f"{result['sync_message_bytes_per_s'] / 1e9:.3f} GB/s ({result['sync_message_s'] * 1e3:.1f} ms)"),
+        (
+            "in-process copy",
+            f"{result['memcpy_bytes_per_s'] / 1e9:.2f} GB/s "
+            f"(copy_; clone() {result['clone_bytes_per_s'] / 1e9:.2f} GB/s)",
+        ),
+        (
+            "sync via message",
+            f"{result['sync_message_bytes_per_s'] / 1e9:.3f} GB/s ({result['sync_message_s'] * 1e3:.1f} ms)",
+        ),
         ("sync via file", f"{result['sync_file_bytes_per_s'] / 1e9:.3f} GB/s ({result['sync_file_s'] * 1e3:.1f} ms)"),
-        ("  of which policy update_weights", f"{result['sync_file_policy_update_s'] * 1e3:.1f} ms (file), {result['sync_message_policy_update_s'] * 1e3:.1f} ms (message)"),
+        (
+            "  of which policy update_weights",
+            f"{result['sync_file_policy_update_s'] * 1e3:.1f} ms (file), "
+            f"{result['sync_message_policy_update_s'] * 1e3:.1f} ms (message)",
+        ),
         ("weight_sync_vs_memcpy", f"{result['weight_sync_vs_memcpy']:.3f}  (goal >= 0.5)"),
     ]
     width = max(len(r[0]) for r in rows)
@@ -245,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/grpo_tiny.yaml", help="the app's YAML config")
     parser.add_argument("--steps", type=int, default=7, help="synchronous steps timed, after one warm-up (medians)")
-    parser.add_argument("--rounds", type=int, default=15, help="rollout rounds timed for the throughput ratio (medians)")
+    parser.add_argument(
+        "--rounds", type=int, default=15, help="rollout rounds timed for the throughput ratio (medians)"
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = parser.parse_args(argv)

@@ -109,10 +109,18 @@ async def main() -> None:
     round_robin = await run("round_robin", stream, args)
     results = {
         "setup": {
-            "requests": args.requests, "models": args.models, "replicas": args.replicas, "max_models_per_replica": args.max_models,
-            "zipf_exponent": args.zipf, "clients": args.clients, "hottest_model_share": stream.count("m0") / len(stream),
+            "requests": args.requests,
+            "models": args.models,
+            "replicas": args.replicas,
+            "max_models_per_replica": args.max_models,
+            "zipf_exponent": args.zipf,
+            "clients": args.clients,
+            "hottest_model_share": stream.count("m0") / len(stream),
             "load_cost": f"{args.load_ms:g} ms per model load (blocking sleep in the replica's process)",
-            "batch_cost": f"{BATCH_FIXED_S * 1e3:g} ms + {BATCH_PER_ITEM_S * 1e3:g} ms per item (async sleep), max_size {MAX_BATCH}",
+            "batch_cost": (
+                f"{BATCH_FIXED_S * 1e3:g} ms + {BATCH_PER_ITEM_S * 1e3:g} ms per item (async sleep), "
+                f"max_size {MAX_BATCH}"
+            ),
         },
         "model_aware": aware,
         "round_robin": round_robin,
@@ -123,8 +131,10 @@ async def main() -> None:
     print(f"{'':28s} {'model_aware':>12s} {'round_robin':>12s}")
     for key in aware:
         print(f"{key:28s} {aware[key]:12.2f} {round_robin[key]:12.2f}")
-    print(f"aware_vs_round_robin_throughput {results['aware_vs_round_robin_throughput']:.2f}x; "
-          f"{results['setup']['load_cost']}; batch: {results['setup']['batch_cost']}")
+    print(
+        f"aware_vs_round_robin_throughput {results['aware_vs_round_robin_throughput']:.2f}x; "
+        f"{results['setup']['load_cost']}; batch: {results['setup']['batch_cost']}"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -21,11 +21,11 @@ import json
 import statistics
 import time
 
+from monarch.actor import Actor, this_host
+from monarch.actor import endpoint as monarch_endpoint
+
 import forge.controller
 from forge.controller import Batching, ForgeActor, endpoint
-from monarch.actor import Actor
-from monarch.actor import endpoint as monarch_endpoint
-from monarch.actor import this_host
 
 FIXED_COST_S = 0.003
 PER_ITEM_COST_S = 0.00005
@@ -90,8 +90,11 @@ async def measure_latency(rounds: int = 5, per_round: int = 200) -> dict[str, fl
     await svc.shutdown()
     await procs.stop()
     route_med, raw_med = statistics.median(route_s), statistics.median(raw_s)
-    return {"route_median_ms": route_med * 1e3, "call_one_median_ms": raw_med * 1e3,
-            "route_vs_call_one_latency": route_med / raw_med}
+    return {
+        "route_median_ms": route_med * 1e3,
+        "call_one_median_ms": raw_med * 1e3,
+        "route_vs_call_one_latency": route_med / raw_med,
+    }
 
 
 async def measure_throughput(n_items: int, rounds: int = 3) -> dict[str, float]:
@@ -99,7 +102,7 @@ async def measure_throughput(n_items: int, rounds: int = 3) -> dict[str, float]:
     svc = await Model.options(num_replicas=1).as_service()
     items = list(range(n_items))
     expected = [x + 1 for x in items]
-    chunks = [items[i:i + MAX_SIZE] for i in range(0, n_items, MAX_SIZE)]
+    chunks = [items[i : i + MAX_SIZE] for i in range(0, n_items, MAX_SIZE)]
     await svc.forward.route_many(items[:64])  # warm up
     await svc.forward_list.route(items[:MAX_SIZE])
 
@@ -141,8 +144,11 @@ async def main() -> None:
     parser.add_argument("--items", type=int, default=2000, help="singleton requests in the throughput runs")
     args = parser.parse_args()
     results = {**await measure_latency(), **await measure_throughput(args.items)}
-    goals = {"route_vs_call_one_latency": ("<=", 1.1), "prebatch_vs_caller_batch_throughput": (">=", 0.9),
-             "prebatch_vs_unbatched_throughput": (">=", 5.0)}
+    goals = {
+        "route_vs_call_one_latency": ("<=", 1.1),
+        "prebatch_vs_caller_batch_throughput": (">=", 0.9),
+        "prebatch_vs_unbatched_throughput": (">=", 5.0),
+    }
     print(f"{'metric':42s} {'value':>10s}  goal")
     for key, value in results.items():
         goal = goals.get(key)

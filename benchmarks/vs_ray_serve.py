@@ -193,8 +193,14 @@ async def start_ray(workload: str) -> tuple[Callable[[Any], Awaitable[Any]], Cal
 
 
 # --------------------------------------------------------------------------- the load
-async def closed_loop(call: Callable[[Any], Awaitable[Any]], workload: type, concurrency: int,
-                      warmup_s: float, duration_s: float, seed: int = 0) -> dict[str, float]:
+async def closed_loop(
+    call: Callable[[Any], Awaitable[Any]],
+    workload: type,
+    concurrency: int,
+    warmup_s: float,
+    duration_s: float,
+    seed: int = 0,
+) -> dict[str, float]:
     """``concurrency`` clients, each: send one request, await it, send the next.
 
     Counts requests that finish inside the timed window (after ``warmup_s``, ``duration_s``
@@ -235,8 +241,9 @@ async def closed_loop(call: Callable[[Any], Awaitable[Any]], workload: type, con
 
 
 # --------------------------------------------------------------------------- the run
-async def run_workload(name: str, levels: list[int], rounds: int, warmup_s: float, duration_s: float,
-                       which: list[str]) -> dict[str, Any]:
+async def run_workload(
+    name: str, levels: list[int], rounds: int, warmup_s: float, duration_s: float, which: list[str]
+) -> dict[str, Any]:
     workload = WORKLOADS[name]
     systems, stops = {}, []
     for system, start in (("ray_serve", start_ray), ("forge", start_forge)):
@@ -245,7 +252,7 @@ async def run_workload(name: str, levels: list[int], rounds: int, warmup_s: floa
             stops.append(stop)
     best: dict[str, dict[int, dict[str, float]]] = {s: {} for s in systems}
     try:
-        for system, call in systems.items():  # warm both up: first batches, lazy torch init
+        for call in systems.values():  # warm both up: first batches, lazy torch init
             await closed_loop(call, workload, max(levels), 0.0, 1.0)
         for r in range(rounds):
             for i, c in enumerate(levels):
@@ -253,8 +260,11 @@ async def run_workload(name: str, levels: list[int], rounds: int, warmup_s: floa
                 for system in order:
                     cell = await closed_loop(systems[system], workload, c, warmup_s, duration_s, seed=r)
                     cell["load_avg_1m"] = os.getloadavg()[0]
-                    print(f"  {name:11s} round {r} c={c:<4d} {system:9s} {cell['throughput_rps']:8.0f} req/s  "
-                          f"p50 {cell['p50_ms']:7.1f} ms  p99 {cell['p99_ms']:7.1f} ms", flush=True)
+                    print(
+                        f"  {name:11s} round {r} c={c:<4d} {system:9s} {cell['throughput_rps']:8.0f} req/s  "
+                        f"p50 {cell['p50_ms']:7.1f} ms  p99 {cell['p99_ms']:7.1f} ms",
+                        flush=True,
+                    )
                     if c not in best[system] or cell["throughput_rps"] > best[system][c]["throughput_rps"]:
                         best[system][c] = cell
     finally:
@@ -291,15 +301,19 @@ def machine() -> dict[str, Any]:
 
 
 def print_table(results: dict[str, Any]) -> None:
-    print(f"\n{'workload':11s} {'conc':>5s} | {'ray req/s':>9s} {'p50 ms':>7s} {'p99 ms':>7s} | "
-          f"{'forge req/s':>11s} {'p50 ms':>7s} {'p99 ms':>7s} | {'thr x':>6s}")
+    print(
+        f"\n{'workload':11s} {'conc':>5s} | {'ray req/s':>9s} {'p50 ms':>7s} {'p99 ms':>7s} | "
+        f"{'forge req/s':>11s} {'p50 ms':>7s} {'p99 ms':>7s} | {'thr x':>6s}"
+    )
     for name, w in results["workloads"].items():
         for ray_cell, forge_cell in zip(w["ray_serve"], w["forge"]):
             c = ray_cell["concurrency"]
             mark = " <- Ray's best" if c == w["ray_best_concurrency"] else ""
-            print(f"{name:11s} {c:5d} | {ray_cell['throughput_rps']:9.0f} {ray_cell['p50_ms']:7.1f} "
-                  f"{ray_cell['p99_ms']:7.1f} | {forge_cell['throughput_rps']:11.0f} {forge_cell['p50_ms']:7.1f} "
-                  f"{forge_cell['p99_ms']:7.1f} | {forge_cell['throughput_rps'] / ray_cell['throughput_rps']:6.2f}{mark}")
+            print(
+                f"{name:11s} {c:5d} | {ray_cell['throughput_rps']:9.0f} {ray_cell['p50_ms']:7.1f} "
+                f"{ray_cell['p99_ms']:7.1f} | {forge_cell['throughput_rps']:11.0f} {forge_cell['p50_ms']:7.1f} "
+                f"{forge_cell['p99_ms']:7.1f} | {forge_cell['throughput_rps'] / ray_cell['throughput_rps']:6.2f}{mark}"
+            )
     print(f"\nforge_vs_ray_serve_throughput  {results['forge_vs_ray_serve_throughput']:.2f}  (goal >= 2)")
     print(f"forge_p99_vs_ray_p99           {results['forge_p99_vs_ray_p99']:.2f}  (goal <= 1)")
 
@@ -329,9 +343,11 @@ def plot(results: dict[str, Any], path: str) -> None:
             ax.grid(alpha=0.3)
             ax.legend()
     m = results["machine"]
-    fig.suptitle(f"forge vs Ray Serve {m['ray']}: batch {results['settings']['max_batch']}, "
-                 f"wait {results['settings']['max_wait_s'] * 1e3:.0f} ms, {results['settings']['replicas']} replicas, "
-                 f"{m['cpus']} CPU cores")
+    fig.suptitle(
+        f"forge vs Ray Serve {m['ray']}: batch {results['settings']['max_batch']}, "
+        f"wait {results['settings']['max_wait_s'] * 1e3:.0f} ms, {results['settings']['replicas']} replicas, "
+        f"{m['cpus']} CPU cores"
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -348,8 +364,13 @@ async def main() -> None:
     parser.add_argument("--duration", type=float, default=4.0, help="seconds timed per cell")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of load before each timed window")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each cell; the best is kept")
-    parser.add_argument("--systems", nargs="+", default=["ray_serve", "forge"], choices=["ray_serve", "forge"],
-                        help="run only some systems (for profiling one alone; the ratios need both)")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=["ray_serve", "forge"],
+        choices=["ray_serve", "forge"],
+        help="run only some systems (for profiling one alone; the ratios need both)",
+    )
     args = parser.parse_args()
 
     if args.from_json:
@@ -362,8 +383,9 @@ async def main() -> None:
             start_ray_cluster()
         workloads = {}
         for name in args.workloads:
-            workloads[name] = await run_workload(name, args.concurrency, args.rounds, args.warmup, args.duration,
-                                                 args.systems)
+            workloads[name] = await run_workload(
+                name, args.concurrency, args.rounds, args.warmup, args.duration, args.systems
+            )
         if len(args.systems) < 2:
             print(json.dumps(workloads, indent=1))
             return
@@ -373,11 +395,19 @@ async def main() -> None:
             "forge_vs_ray_serve_throughput": headline["forge_vs_ray_serve_throughput"],
             "forge_p99_vs_ray_p99": headline["forge_p99_vs_ray_p99"],
             "workloads": workloads,
-            "settings": {"max_batch": MAX_BATCH, "max_wait_s": MAX_WAIT_S, "replicas": REPLICAS,
-                         "ray_max_ongoing_requests": MAX_ONGOING, "concurrency": args.concurrency,
-                         "ray_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
-                         "duration_s": args.duration, "warmup_s": args.warmup, "rounds": args.rounds,
-                         "fixed_cost_s": FIXED_COST_S, "per_item_cost_s": PER_ITEM_COST_S},
+            "settings": {
+                "max_batch": MAX_BATCH,
+                "max_wait_s": MAX_WAIT_S,
+                "replicas": REPLICAS,
+                "ray_max_ongoing_requests": MAX_ONGOING,
+                "concurrency": args.concurrency,
+                "ray_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
+                "duration_s": args.duration,
+                "warmup_s": args.warmup,
+                "rounds": args.rounds,
+                "fixed_cost_s": FIXED_COST_S,
+                "per_item_cost_s": PER_ITEM_COST_S,
+            },
             "machine": info,
             "wall_s": time.perf_counter() - t0,
         }
@@ -393,9 +423,9 @@ if __name__ == "__main__":
     forge.controller.quiet_monarch()
     asyncio.run(main())
     if "ray" in sys.modules:
-        import ray
-
         import threading
+
+        import ray
 
         # After the event loop is gone: Serve's long-poll client lives on it and would print a
         # traceback against the stopped controller. Time-boxed: once, after a full run had

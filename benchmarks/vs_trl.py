@@ -72,8 +72,9 @@ def prepare_model(cfg: Any) -> str:
         from forge.models import make_tiny_model
 
         t = cfg.model.tiny
-        make_tiny_model(path, arch=t.arch, hidden_size=t.hidden_size, num_layers=t.num_layers, seed=t.seed,
-                        init_std=t.init_std)
+        make_tiny_model(
+            path, arch=t.arch, hidden_size=t.hidden_size, num_layers=t.num_layers, seed=t.seed, init_std=t.init_std
+        )
     return str(path)
 
 
@@ -86,8 +87,16 @@ def run_forge(cfg: Any, config: str, overrides: list[str], out_dir: Path) -> dic
     """``python -m apps.grpo.main`` in ``.venv/``; per-step figures from its metrics.jsonl."""
     out_dir.mkdir(parents=True, exist_ok=True)
     quiet = [f"logging.{k}={v}" for k, v in QUIET.items() if hasattr(cfg.logging, k)]
-    cmd = [str(FORGE_PYTHON), "-m", "apps.grpo.main", "--config", config, *overrides,
-           f"logging.output_dir={out_dir}", *quiet]
+    cmd = [
+        str(FORGE_PYTHON),
+        "-m",
+        "apps.grpo.main",
+        "--config",
+        config,
+        *overrides,
+        f"logging.output_dir={out_dir}",
+        *quiet,
+    ]
     print("forge:", " ".join(cmd[1:]), flush=True)
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -111,7 +120,9 @@ def run_forge(cfg: Any, config: str, overrides: list[str], out_dir: Path) -> dic
     }
 
 
-def run_figures(train_s: float, wall_s: float, step_times: list[float], rewards: list[float], load: float) -> dict[str, Any]:
+def run_figures(
+    train_s: float, wall_s: float, step_times: list[float], rewards: list[float], load: float
+) -> dict[str, Any]:
     """The figures both systems report, computed one way: ``train_s`` is the training loop's
     wall time, ``wall_s`` the whole run's (start-up is the difference)."""
     return {
@@ -135,9 +146,15 @@ def trl_dataset(cfg: Any) -> Any:
 
     from forge.actors.dataset import DatasetConfig, prompt_stream
 
-    stream = prompt_stream(DatasetConfig(source=cfg.data.source, path=cfg.data.path,
-                                         prompt_template=cfg.data.prompt_template, seed=cfg.seed,
-                                         options=dict(cfg.data.options)))
+    stream = prompt_stream(
+        DatasetConfig(
+            source=cfg.data.source,
+            path=cfg.data.path,
+            prompt_template=cfg.data.prompt_template,
+            seed=cfg.seed,
+            options=dict(cfg.data.options),
+        )
+    )
     rows = []
     for _ in range(cfg.steps * cfg.prompts_per_step):
         p = next(stream)
@@ -155,8 +172,10 @@ def trl_reward_fns(cfg: Any) -> tuple[list[Any], list[float]]:
         fn = resolve_reward(name)
 
         def reward(prompts, completions, prompt_id, answer, meta, _fn=fn, **_):
-            return [_fn(Prompt(prompt_id=i, text=p, answer=a, meta=json.loads(m)), c)
-                    for p, c, i, a, m in zip(prompts, completions, prompt_id, answer, meta)]
+            return [
+                _fn(Prompt(prompt_id=i, text=p, answer=a, meta=json.loads(m)), c)
+                for p, c, i, a, m in zip(prompts, completions, prompt_id, answer, meta)
+            ]
 
         reward.__name__ = name.replace(":", "_").replace(".", "_")
         fns.append(reward)
@@ -251,16 +270,34 @@ def run_trl(cfg: Any, model_path: str, out_dir: Path, threads: int) -> dict[str,
     }
 
 
-TRL_ARGS_SHOWN = ("per_device_train_batch_size", "num_generations", "max_completion_length", "temperature",
-                  "learning_rate", "lr_scheduler_type", "beta", "epsilon", "loss_type", "scale_rewards",
-                  "max_grad_norm", "weight_decay", "num_iterations", "max_steps", "use_vllm", "seed")
+TRL_ARGS_SHOWN = (
+    "per_device_train_batch_size",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "learning_rate",
+    "lr_scheduler_type",
+    "beta",
+    "epsilon",
+    "loss_type",
+    "scale_rewards",
+    "max_grad_norm",
+    "weight_decay",
+    "num_iterations",
+    "max_steps",
+    "use_vllm",
+    "seed",
+)
 
 
 # --------------------------------------------------------------------------- report
 def summarize(rewards: list[float]) -> dict[str, float]:
     k = min(SUMMARY_WINDOW, len(rewards))
-    return {"reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k,
-            "reward_mean_all_steps": sum(rewards) / len(rewards)}
+    return {
+        "reward_first": sum(rewards[:k]) / k,
+        "reward_last": sum(rewards[-k:]) / k,
+        "reward_mean_all_steps": sum(rewards) / len(rewards),
+    }
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -293,8 +330,10 @@ def plot(results: dict[str, Any], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     s = results["settings"]
-    fig.suptitle(f"forge vs TRL GRPO: {s['steps']} steps, {s['prompts_per_step']} prompts x {s['group_size']}, "
-                 f"lr {s['lr']:g}, {results['machine']['cpus']} CPU cores")
+    fig.suptitle(
+        f"forge vs TRL GRPO: {s['steps']} steps, {s['prompts_per_step']} prompts x {s['group_size']}, "
+        f"lr {s['lr']:g}, {results['machine']['cpus']} CPU cores"
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -302,12 +341,16 @@ def plot(results: dict[str, Any], path: str) -> None:
 
 
 def print_table(results: dict[str, Any]) -> None:
-    print(f"\n{'system':6s} {'steps':>5s} {'s/step':>7s} {'steps/s':>8s} {'startup s':>9s} "
-          f"{'reward first':>12s} {'reward last':>11s}")
+    print(
+        f"\n{'system':6s} {'steps':>5s} {'s/step':>7s} {'steps/s':>8s} {'startup s':>9s} "
+        f"{'reward first':>12s} {'reward last':>11s}"
+    )
     for system in ("forge", "trl"):
         r = results[system]
-        print(f"{system:6s} {r['steps']:5d} {r['s_per_step']:7.3f} {r['steps_per_s']:8.3f} {r['startup_s']:9.1f} "
-              f"{r['reward_first']:12.3f} {r['reward_last']:11.3f}")
+        print(
+            f"{system:6s} {r['steps']:5d} {r['s_per_step']:7.3f} {r['steps_per_s']:8.3f} {r['startup_s']:9.1f} "
+            f"{r['reward_first']:12.3f} {r['reward_last']:11.3f}"
+        )
     print(f"\nforge_vs_trl_steps_per_s   {results['forge_vs_trl_steps_per_s']:.2f}  (goal >= 2)")
     print(f"forge_vs_trl_reward_last   {results['forge_vs_trl_reward_last']:.2f}  (goal >= 1)")
 
@@ -336,15 +379,29 @@ def main() -> None:
         model_path = prepare_model(cfg)
         work = Path(args.work_dir).resolve()
         results: dict[str, Any] = {
-            "settings": {"config": args.config, "overrides": args.overrides, "steps": cfg.steps,
-                         "group_size": cfg.group_size, "prompts_per_step": cfg.prompts_per_step, "lr": cfg.trainer.lr,
-                         "beta": cfg.trainer.beta, "clip_eps": cfg.trainer.clip_eps,
-                         "max_tokens": cfg.policy.max_tokens, "temperature": cfg.policy.temperature,
-                         "max_policy_age": cfg.max_policy_age, "reward_fns": dict(cfg.reward.fns),
-                         "model_path": model_path},
-            "machine": {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-                        "python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "trl": trl.__version__},
+            "settings": {
+                "config": args.config,
+                "overrides": args.overrides,
+                "steps": cfg.steps,
+                "group_size": cfg.group_size,
+                "prompts_per_step": cfg.prompts_per_step,
+                "lr": cfg.trainer.lr,
+                "beta": cfg.trainer.beta,
+                "clip_eps": cfg.trainer.clip_eps,
+                "max_tokens": cfg.policy.max_tokens,
+                "temperature": cfg.policy.temperature,
+                "max_policy_age": cfg.max_policy_age,
+                "reward_fns": dict(cfg.reward.fns),
+                "model_path": model_path,
+            },
+            "machine": {
+                "cpus": os.cpu_count(),
+                "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "trl": trl.__version__,
+            },
         }
         for system in ("forge", "trl"):
             if args.only and system != args.only:
@@ -355,8 +412,11 @@ def main() -> None:
                 r = run_trl(cfg, model_path, work / "trl", args.trl_threads)
             r.update(summarize(r["reward_mean"]))
             results[system] = r
-            print(f"{system}: {r['steps']} steps, {r['s_per_step']:.3f} s/step, startup {r['startup_s']:.1f} s, "
-                  f"reward {r['reward_first']:.3f} -> {r['reward_last']:.3f}", flush=True)
+            print(
+                f"{system}: {r['steps']} steps, {r['s_per_step']:.3f} s/step, startup {r['startup_s']:.1f} s, "
+                f"reward {r['reward_first']:.3f} -> {r['reward_last']:.3f}",
+                flush=True,
+            )
         if args.only:
             print(json.dumps(results, indent=1)[:4000])
             return

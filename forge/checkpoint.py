@@ -70,7 +70,9 @@ def _unique_tensors(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torc
     return unique, aliases
 
 
-def save_checkpoint(root: str | os.PathLike, model_state: dict[str, torch.Tensor], state: TrainingState, *, keep: int = 2) -> Path:
+def save_checkpoint(
+    root: str | os.PathLike, model_state: dict[str, torch.Tensor], state: TrainingState, *, keep: int = 2
+) -> Path:
     """Write ``<root>/step_<state.step>/`` atomically; return its path.
 
     One writer per ``root``: the temporary folders of earlier, killed saves are removed first.
@@ -96,9 +98,12 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
-             and (p / _MODEL_FILE).is_file() and (p / _STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(_PREFIX) and (p / _MODEL_FILE).is_file() and (p / _STATE_FILE).is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:

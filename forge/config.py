@@ -183,9 +183,7 @@ def _translate(e: oc_errors.OmegaConfBaseException, schema_cls: type, source: st
     expected = _expected_type(schema_cls, key)
     if isinstance(e, oc_errors.MissingMandatoryValue):
         what = f" ({expected})" if expected else ""
-        message = (
-            f"{key}: missing required value{what}; set it in the YAML file or with {key}=..."
-        )
+        message = f"{key}: missing required value{what}; set it in the YAML file or with {key}=..."
     elif isinstance(e, (oc_errors.ConfigKeyError, oc_errors.ConfigAttributeError)):
         parent, _, leaf = key.rpartition(".")
         known = _known_keys(schema_cls, parent)

@@ -118,10 +118,20 @@ class EpisodeBatch:
         cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731
         return cls(
             group_ids=[g for b in batches for g in b.group_ids],
-            **{name: cat(name) for name in (
-                "prompt_ids", "prompt_lens", "response_ids", "response_lens", "behaviour_logprobs",
-                "ref_logprobs", "rewards", "advantages", "policy_versions",
-            )},
+            **{
+                name: cat(name)
+                for name in (
+                    "prompt_ids",
+                    "prompt_lens",
+                    "response_ids",
+                    "response_lens",
+                    "behaviour_logprobs",
+                    "ref_logprobs",
+                    "rewards",
+                    "advantages",
+                    "policy_versions",
+                )
+            },
         )
 
     def unpack(self) -> list[Episode]:

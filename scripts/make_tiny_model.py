@@ -20,17 +20,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="folder to write the model into")
     parser.add_argument("--arch", choices=ARCHS, default="qwen2", help="model architecture")
-    parser.add_argument(
-        "--hidden-size", type=int, default=128, help="model width, a multiple of 64"
-    )
+    parser.add_argument("--hidden-size", type=int, default=128, help="model width, a multiple of 64")
     parser.add_argument("--num-layers", type=int, default=2, help="number of decoder layers")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init")
-    parser.add_argument(
-        "--init-std", type=float, default=0.02, help="std of the normal weight init"
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace a model made with other settings"
-    )
+    parser.add_argument("--init-std", type=float, default=0.02, help="std of the normal weight init")
+    parser.add_argument("--overwrite", action="store_true", help="replace a model made with other settings")
     args = parser.parse_args()
     try:
         path = make_tiny_model(

@@ -11,5 +11,8 @@ args=()
 for a in "$@"; do
     if [ "$a" = "--slow" ]; then args+=(-m slow); else args+=("$a"); fi
 done
+# Lint and format are part of the test: a violation fails the run (ruff's settings are in pyproject.toml).
+.venv/bin/ruff format --check --quiet . || { echo "[forge] ruff format: run '.venv/bin/ruff format .'"; exit 1; }
+.venv/bin/ruff check --quiet .
 # pytest exits non-zero on any failure, and with 5 when no test ran: both fail the run.
 exec .venv/bin/python -m pytest -p no:cacheprovider -ra "${args[@]}"

@@ -180,11 +180,15 @@ class GRPOConfig:
         if self.weight_sync.transport not in ("message", "file"):
             raise ValueError(f"weight_sync.transport must be 'message' or 'file', got {self.weight_sync.transport!r}")
         if self.data.source not in ("toy", "jsonl") and ":" not in self.data.source:
-            raise ValueError(f"data.source must be 'toy', 'jsonl' or 'package.module:factory', got {self.data.source!r}")
+            raise ValueError(
+                f"data.source must be 'toy', 'jsonl' or 'package.module:factory', got {self.data.source!r}"
+            )
         if self.data.source == "jsonl" and not self.data.path:
             raise ValueError("data.path is required when data.source is 'jsonl'")
         if "jsonl" not in self.logging.sinks:
-            raise ValueError("logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source")
+            raise ValueError(
+                "logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source"
+            )
         if not self.reward.fns:
             raise ValueError("reward.fns needs at least one reward function")
 

@@ -49,12 +49,11 @@ from pathlib import Path
 from typing import Any
 
 import forge.controller  # noqa: F401  (before anything imports monarch)
-from forge.controller import ForgeError, quiet_monarch
-
 from apps.grpo.roles import RoleFailed, Roles, prepare_model, start_roles, stop_roles
 from apps.grpo.rollouts import Rollouts
 from apps.grpo.run_log import RunLog
 from apps.grpo.training import checkpoint_to_resume, resume, train
+from forge.controller import ForgeError, quiet_monarch
 
 logger = logging.getLogger("forge.grpo")
 
@@ -194,9 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the progress bar bypasses the log filter
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    from forge.config import ConfigError, load_config
-
     from apps.grpo.config import GRPOConfig
+    from forge.config import ConfigError, load_config
 
     try:
         cfg = load_config(GRPOConfig, args.config, args.overrides)

@@ -40,7 +40,11 @@ class Roles:
     local: list[Any] = field(default_factory=list)
 
     def services(self) -> dict[str, Any]:
-        return {n: s for n, s in (("policy", self.policy), ("reference", self.reference), ("reward", self.reward)) if s is not None}
+        return {
+            n: s
+            for n, s in (("policy", self.policy), ("reference", self.reference), ("reward", self.reward))
+            if s is not None
+        }
 
 
 async def start_roles(cfg: Any, model_path: str) -> Roles:
@@ -65,12 +69,18 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
 
     p, t = cfg.policy, cfg.trainer
     policy_cfg = PolicyConfig(
-        **settings(p, PolicySettings), model_path=model_path, group_size=cfg.group_size, seed=cfg.seed,
+        **settings(p, PolicySettings),
+        model_path=model_path,
+        group_size=cfg.group_size,
+        seed=cfg.seed,
     )
     policy_cfg.engine_kwargs = {"use_tqdm_on_load": False, **p.engine_kwargs}
     reference_cfg = ReferenceConfig(model_path=model_path, temperature=p.temperature, dtype=cfg.reference.dtype)
     trainer_cfg = TrainerConfig(
-        **settings(t, TrainerSettings), model_path=model_path, temperature=p.temperature, seed=cfg.seed,
+        **settings(t, TrainerSettings),
+        model_path=model_path,
+        temperature=p.temperature,
+        seed=cfg.seed,
         checkpoint_dir=cfg.checkpoint_dir if t.checkpoint_every else None,
     )
     dataset_cfg = DatasetConfig(
@@ -89,7 +99,9 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
         "TRANSFORMERS_VERBOSITY": "error",
         "TORCH_CPP_LOG_LEVEL": "ERROR",
         "VLLM_LOGGING_LEVEL": "ERROR",  # any role that imports forge.generation imports vLLM
-        "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning:multiprocessing.resource_tracker",
+        "PYTHONWARNINGS": (
+            "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning:multiprocessing.resource_tracker"
+        ),
     }
     policy_env = {**quiet, "OMP_NUM_THREADS": "1"}
     roles = Roles()
@@ -99,19 +111,33 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
     async def service(role: str, actor_cls: type, arg: Any, env: dict[str, str], **options: Any) -> None:
         _show_gpus(gpus[role])
         section = getattr(cfg, role)
-        setattr(roles, role, await actor_cls.options(
-            name=role, procs=section.procs, num_replicas=section.num_replicas, with_gpus=section.with_gpus,
-            env={**env, **section.env}, max_restarts=0, **options,
-        ).as_service(arg))
+        setattr(
+            roles,
+            role,
+            await actor_cls.options(
+                name=role,
+                procs=section.procs,
+                num_replicas=section.num_replicas,
+                with_gpus=section.with_gpus,
+                env={**env, **section.env},
+                max_restarts=0,
+                **options,
+            ).as_service(arg),
+        )
 
-    policy = functools.partial(service, "policy", Policy, policy_cfg, policy_env, endpoint_routers={"generate": PromptAffinity})
+    policy = functools.partial(
+        service, "policy", Policy, policy_cfg, policy_env, endpoint_routers={"generate": PromptAffinity}
+    )
     reference = functools.partial(service, "reference", ReferenceModel, reference_cfg, quiet, router="least_loaded")
     reward = functools.partial(service, "reward", RewardActor, dict(cfg.reward.fns), quiet, router="least_loaded")
 
     async def trainer() -> None:
         _show_gpus(gpus["trainer"])
         roles.trainer = await Trainer.options(
-            name="trainer", procs=t.procs, with_gpus=t.with_gpus, env={**quiet, **t.env},
+            name="trainer",
+            procs=t.procs,
+            with_gpus=t.with_gpus,
+            env={**quiet, **t.env},
         ).as_actor(trainer_cfg)
 
     async def local() -> None:
@@ -220,7 +246,9 @@ def prepare_model(cfg: Any) -> str:
         from forge.models import make_tiny_model
 
         t = cfg.model.tiny
-        make_tiny_model(path, arch=t.arch, hidden_size=t.hidden_size, num_layers=t.num_layers, seed=t.seed, init_std=t.init_std)
+        make_tiny_model(
+            path, arch=t.arch, hidden_size=t.hidden_size, num_layers=t.num_layers, seed=t.seed, init_std=t.init_std
+        )
     elif not path.is_dir():
         raise FileNotFoundError(f"model.path {str(path)!r} is not a folder; point it at a Hugging Face checkpoint")
     return str(path.resolve())

@@ -59,7 +59,9 @@ class Rollouts:
     async def _next_prompt(self) -> Any:
         async with self._fetching:
             if not self._prompts:
-                self._prompts.extend(await call_role("dataset", self.roles.dataset.sample_many.call_one(self.concurrency)))
+                self._prompts.extend(
+                    await call_role("dataset", self.roles.dataset.sample_many.call_one(self.concurrency))
+                )
             return self._prompts.popleft()
 
     async def _store(self, group: Any) -> None:
@@ -112,22 +114,26 @@ class Rollouts:
         completions = group.completions
         rewards, ref_logprobs = await asyncio.gather(
             call_role("reward", roles.reward.score.route_many([(prompt, c.text) for c in completions])),
-            call_role("reference", roles.reference.logprobs.route_many([(c.prompt_ids, c.token_ids) for c in completions])),
+            call_role(
+                "reference", roles.reference.logprobs.route_many([(c.prompt_ids, c.token_ids) for c in completions])
+            ),
         )
         record_metric("rollout/generate_latency_s", t1 - t0)
         record_metric("rollout/score_latency_s", time.perf_counter() - t1)
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32))
         group_id = f"{prompt.prompt_id}#{next(self._ids)}"
-        return EpisodeBatch.pack([
-            Episode(
-                group_id=group_id,
-                prompt_ids=c.prompt_ids,
-                response_ids=c.token_ids,
-                behaviour_logprobs=c.logprobs,
-                ref_logprobs=ref,
-                reward=float(r),
-                advantage=float(a),
-                policy_version=c.policy_version,
-            )
-            for c, r, a, ref in zip(completions, rewards, advantages.tolist(), ref_logprobs)
-        ])
+        return EpisodeBatch.pack(
+            [
+                Episode(
+                    group_id=group_id,
+                    prompt_ids=c.prompt_ids,
+                    response_ids=c.token_ids,
+                    behaviour_logprobs=c.logprobs,
+                    ref_logprobs=ref,
+                    reward=float(r),
+                    advantage=float(a),
+                    policy_version=c.policy_version,
+                )
+                for c, r, a, ref in zip(completions, rewards, advantages.tolist(), ref_logprobs)
+            ]
+        )

@@ -68,7 +68,10 @@ class RunLog:
             sink.log(step, row)
         if self.bar is not None:
             self.bar.set_postfix(
-                reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.4f}", step_s=f"{row['step_time_s']:.2f}", refresh=False
+                reward=f"{row['reward_mean']:.3f}",
+                loss=f"{row['loss']:.4f}",
+                step_s=f"{row['step_time_s']:.2f}",
+                refresh=False,
             )
             self.bar.update(1)
 

@@ -8,18 +8,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forge.checkpoint import latest_checkpoint
-
 from apps.grpo.roles import Roles, call_role
 from apps.grpo.rollouts import Rollouts
+from forge.checkpoint import latest_checkpoint
 
 if TYPE_CHECKING:
     from apps.grpo.run_log import RunLog
 
 
-async def train(
-    cfg: Any, roles: Roles, rollouts: Rollouts, log: "RunLog", after_step: int = 0, version: int = 0
-) -> None:
+async def train(cfg: Any, roles: Roles, rollouts: Rollouts, log: RunLog, after_step: int = 0, version: int = 0) -> None:
     """The step loop: wait for a batch, one optimizer step, weight sync, log, checkpoint.
 
     The new weights are taken from the trainer right after its step; loading them into the

@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import forge.controller  # noqa: F401  (before anything imports monarch)
 import torch
+
+import forge.controller  # noqa: F401  (before anything imports monarch)
 from forge.controller import Batching, ForgeActor, endpoint, model_loader, quiet_monarch
 from forge.data.tasks import ToyTask
 from forge.models.logprobs import sequence_logprobs
@@ -97,7 +98,9 @@ async def main() -> None:
         # -------------------------------------------------------------- 2. one service for all
         t0 = time.perf_counter()
         svc = await Scorer.options(num_replicas=args.replicas, max_models=args.max_models).as_service(root=str(root))
-        print(f"service up: {args.replicas} replicas x at most {args.max_models} models ({time.perf_counter() - t0:.1f}s)")
+        print(
+            f"service up: {args.replicas} replicas x at most {args.max_models} models ({time.perf_counter() - t0:.1f}s)"
+        )
         try:
             # ---------------------------------------------------------- 3-4. served by the named model
             probe: Request = ("371=", "173")
@@ -105,13 +108,20 @@ async def main() -> None:
             for model_id, got in zip(model_ids, served):
                 want = score(*load_checkpoint(root / model_id), [probe])[0]
                 assert abs(got - want) < 1e-4, f"{model_id}: the service said {got}, the model says {want}"
-            print("each model's score of " + repr(probe) + ": " + ", ".join(f"{m} {s:.3f}" for m, s in zip(model_ids, served)))
+            print(
+                "each model's score of "
+                + repr(probe)
+                + ": "
+                + ", ".join(f"{m} {s:.3f}" for m, s in zip(model_ids, served))
+            )
 
             # ---------------------------------------------------------- 5. a Zipf stream of requests
             rng = random.Random(0)
             weights = [1 / (k + 1) ** args.zipf for k in range(args.models)]
             task = ToyTask(seed=1)
-            stream = [((task[i].text, task[i].answer), rng.choices(model_ids, weights)[0]) for i in range(args.requests)]
+            stream = [
+                ((task[i].text, task[i].answer), rng.choices(model_ids, weights)[0]) for i in range(args.requests)
+            ]
             todo = iter(stream)
 
             async def client() -> None:
@@ -125,10 +135,14 @@ async def main() -> None:
         finally:
             await svc.shutdown()
 
-    print(f"\n{args.requests} requests over {args.models} models in {elapsed:.1f}s ({args.requests / elapsed:.0f}/s), "
-          f"after {args.models} check requests")
-    print(f"loads {m['loads']}, evictions {m['evictions']}, hits {m['hits']} "
-          f"(hit rate {m['hit_rate']:.2f}), mean load {m['mean_load_s'] * 1e3:.0f} ms")
+    print(
+        f"\n{args.requests} requests over {args.models} models in {elapsed:.1f}s ({args.requests / elapsed:.0f}/s), "
+        f"after {args.models} check requests"
+    )
+    print(
+        f"loads {m['loads']}, evictions {m['evictions']}, hits {m['hits']} "
+        f"(hit rate {m['hit_rate']:.2f}), mean load {m['mean_load_s'] * 1e3:.0f} ms"
+    )
     print(f"{'model':10s} {'requests':>8s} {'loads':>6s} {'batches':>8s} {'mean batch':>10s}")
     for model_id in model_ids:
         p = m["per_model"].get(model_id, {"requests": 0, "loads": 0, "batches": 0, "mean_batch_size": 0.0})

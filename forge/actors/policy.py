@@ -154,7 +154,9 @@ class PackedGroups:
     policy_version: int
 
     @classmethod
-    def pack(cls, prompts: list[Prompt], outputs: list[list[Completion]], group_size: int, version: int) -> PackedGroups:
+    def pack(
+        cls, prompts: list[Prompt], outputs: list[list[Completion]], group_size: int, version: int
+    ) -> PackedGroups:
         flat = [c for group in outputs for c in group]
         return cls(
             prompts=prompts,

@@ -64,7 +64,9 @@ class PackedPairs:
         )
 
     def unpack(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return list(torch.split(self.prompt_ids, self.prompt_lens)), list(torch.split(self.response_ids, self.response_lens))
+        return list(torch.split(self.prompt_ids, self.prompt_lens)), list(
+            torch.split(self.response_ids, self.response_lens)
+        )
 
 
 @dataclass(kw_only=True)
@@ -112,8 +114,14 @@ class ReferenceModel(ForgeActor):
             raise ValueError(f"ReferenceModel.logprobs returned {len(lengths)} results for {n} pairs")
         return [t.clone() for t in torch.split(flat, lengths)]
 
-    @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, key=length_bucket, enbatch="pack_pairs", debatch="split_logprobs"))
-    async def logprobs(self, pairs: PackedPairs | list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+    @endpoint(
+        batch=Batching(
+            max_size=256, max_wait_s=0.002, key=length_bucket, enbatch="pack_pairs", debatch="split_logprobs"
+        )
+    )
+    async def logprobs(
+        self, pairs: PackedPairs | list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, list[int]]:
         """Per-token logprobs of each response given its prompt, one forward pass per batch.
 
         Returns them flat with the response lengths; through the service each caller gets its

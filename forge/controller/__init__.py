@@ -28,8 +28,8 @@ from forge.controller.routing import (
     KeyAffinity,
     LeastLoaded,
     RoundRobin,
-    RouteRequest,
     Router,
+    RouteRequest,
     Sticky,
     register_router,
 )

@@ -35,7 +35,7 @@ from forge.controller.endpoint import endpoint
 from forge.controller.errors import ForgeError
 from forge.controller.multiplex import model_store
 from forge.controller.options import ActorOptions
-from forge.controller.provisioner import split_gpus, spawn_proc_mesh, visible_gpus
+from forge.controller.provisioner import spawn_proc_mesh, split_gpus, visible_gpus
 from forge.controller.replica import await_with_timeout, translate_error
 from forge.controller.service import Service, ServiceInterface
 
@@ -65,7 +65,7 @@ class ForgeActor(Actor):
         await model_store(self).load(model_id, evict)
 
     @classmethod
-    def options(cls: type[A], **options: Any) -> "ActorLauncher[A]":
+    def options(cls: type[A], **options: Any) -> ActorLauncher[A]:
         """Configure how the actor is started; see ``ActorOptions`` for every option."""
         try:
             opts = ActorOptions(**options)

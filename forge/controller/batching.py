@@ -97,8 +97,7 @@ class Batching:
             fn = getattr(actor_cls, value, None)
             if fn is None or not callable(fn):
                 raise TypeError(
-                    f"Batching.{name}={value!r}: {actor_cls.__name__} has no static or class method "
-                    f"named {value!r}"
+                    f"Batching.{name}={value!r}: {actor_cls.__name__} has no static or class method named {value!r}"
                 )
             return fn
 
@@ -158,8 +157,8 @@ class Batcher:
 
     ``execute(items, key)`` is called with at most ``spec.max_size`` items of one key and must
     return (an awaitable of) one result per item. It is called synchronously when the batch
-    starts, so an executor that sends its message when called sends it at once. A replica owns one ``Batcher`` per batched endpoint; tests drive
-    it with a plain coroutine.
+    starts, so an executor that sends its message when called sends it at once. A replica owns one
+    ``Batcher`` per batched endpoint; tests drive it with a plain coroutine.
     """
 
     def __init__(
@@ -221,8 +220,11 @@ class Batcher:
             queue = self._queues[key] = _KeyQueue()
         queue.items.append(_Pending(item, size, future, self._clock()))
         queue.total_size += size
-        if ((self._free_slots > 0 or self._send_full) and queue.total_size >= self.spec.max_size
-                and (self._runnable is None or self._runnable(key))):
+        if (
+            (self._free_slots > 0 or self._send_full)
+            and queue.total_size >= self.spec.max_size
+            and (self._runnable is None or self._runnable(key))
+        ):
             # Full with a slot free (or full batches may go past the slots): start it now. In a
             # burst of singletons this sends the first batches before the rest is even queued.
             self._start(key)
@@ -363,11 +365,19 @@ class Batcher:
                 _fail_all(live, exc)
                 return
             if not isinstance(results, (list, tuple)) or len(results) != len(live):
-                got = f"{type(results).__name__} of length {len(results)}" if isinstance(results, (list, tuple)) else type(results).__name__
+                got = (
+                    f"{type(results).__name__} of length {len(results)}"
+                    if isinstance(results, (list, tuple))
+                    else type(results).__name__
+                )
                 self.stats.errors += len(live)
-                _fail_all(live, BatchResultError(
-                    f"{self.name}: a batch of {len(live)} items must return a list of {len(live)} results, got {got}"
-                ))
+                _fail_all(
+                    live,
+                    BatchResultError(
+                        f"{self.name}: a batch of {len(live)} items must return a list of {len(live)} results, "
+                        f"got {got}"
+                    ),
+                )
                 return
             for pending, result in zip(live, results):
                 if pending.future.done():

@@ -60,7 +60,9 @@ def endpoint(
         monarch_options: passed to Monarch's ``endpoint`` (e.g. ``instrument=False``).
     """
     if method is None:
-        return lambda fn: endpoint(fn, batch=batch, concurrent=concurrent, retry=retry, multiplexed=multiplexed, **monarch_options)
+        return lambda fn: endpoint(
+            fn, batch=batch, concurrent=concurrent, retry=retry, multiplexed=multiplexed, **monarch_options
+        )
     if batch is not None and not isinstance(batch, Batching):
         raise TypeError(f"endpoint(batch=...) must be a forge Batching, got {batch!r}")
     if not inspect.iscoroutinefunction(method):
@@ -74,12 +76,21 @@ def endpoint(
             f"for one request per call)"
         )
     if multiplexed and batch.key is not None:  # type: ignore[union-attr]
-        raise TypeError(f"multiplexed endpoint {method.__qualname__}: its batching key is the model id, so Batching(key=...) must be None")
+        raise TypeError(
+            f"multiplexed endpoint {method.__qualname__}: its batching key is the model id, "
+            "so Batching(key=...) must be None"
+        )
     if batch is not None:
         params = [p for p in inspect.signature(method).parameters.values() if p.name != "self"]
-        required = [p for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [
+            p
+            for p in params
+            if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         if len(required) != 1 + multiplexed:
-            wanted = "two required arguments (the model, the batch)" if multiplexed else "one required argument (the batch)"
+            wanted = (
+                "two required arguments (the model, the batch)" if multiplexed else "one required argument (the batch)"
+            )
             raise TypeError(
                 f"{'multiplexed' if multiplexed else 'batched'} endpoint {method.__qualname__} must take exactly "
                 f"{wanted}, got {[p.name for p in required]}"

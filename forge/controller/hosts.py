@@ -24,8 +24,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import forge.controller._env  # noqa: F401  (before monarch)
 from monarch.actor import attach_to_workers
+
+import forge.controller._env  # noqa: F401  (before monarch)
 
 logger = logging.getLogger("forge.hosts")
 
@@ -40,7 +41,7 @@ class HostPool:
         self._next = 0
 
     @classmethod
-    def attach(cls, addresses: Sequence[str]) -> "HostPool":
+    def attach(cls, addresses: Sequence[str]) -> HostPool:
         """Connect to running workers (``tcp://host:port`` each). Connection is lazy."""
         if not addresses or not all(isinstance(a, str) and "://" in a for a in addresses):
             raise ValueError(f"HostPool.attach needs worker addresses like 'tcp://host:port', got {addresses!r}")

@@ -106,9 +106,16 @@ def model_loader(method: Callable[..., Any] | None = None, *, max_models: int = 
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"model loaders must be 'async def' ({fn.__qualname__} is not)")
         params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
-        required = [p for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [
+            p
+            for p in params
+            if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         if len(required) != 1:
-            raise TypeError(f"model loader {fn.__qualname__} must take exactly one required argument (the model id), got {[p.name for p in required]}")
+            raise TypeError(
+                f"model loader {fn.__qualname__} must take exactly one required argument (the model id), "
+                f"got {[p.name for p in required]}"
+            )
         setattr(fn, _LOADER_ATTR, Multiplexing(max_models=max_models, loader=fn.__name__, unload=unload))
         return fn
 
@@ -117,18 +124,29 @@ def model_loader(method: Callable[..., Any] | None = None, *, max_models: int = 
 
 def multiplexing_of(actor_cls: type) -> Multiplexing | None:
     """The ``Multiplexing`` an actor class declares with ``@model_loader``, or None."""
-    specs = [spec for name in dir(actor_cls) if (spec := getattr(getattr(actor_cls, name, None), _LOADER_ATTR, None)) is not None]
+    specs = [
+        spec
+        for name in dir(actor_cls)
+        if (spec := getattr(getattr(actor_cls, name, None), _LOADER_ATTR, None)) is not None
+    ]
     if len(specs) > 1:
-        raise TypeError(f"{actor_cls.__name__} marks {len(specs)} methods with @model_loader ({[s.loader for s in specs]}); mark one")
+        raise TypeError(
+            f"{actor_cls.__name__} marks {len(specs)} methods with @model_loader "
+            f"({[s.loader for s in specs]}); mark one"
+        )
     if not specs:
         return None
     spec = specs[0]
     if spec.unload is not None and not callable(getattr(actor_cls, spec.unload, None)):
-        raise TypeError(f"model_loader(unload={spec.unload!r}): {actor_cls.__name__} has no method named {spec.unload!r}")
+        raise TypeError(
+            f"model_loader(unload={spec.unload!r}): {actor_cls.__name__} has no method named {spec.unload!r}"
+        )
     return spec
 
 
-def check_multiplexing(actor_cls: type, multiplexed: Sequence[str], max_models: int | None = None) -> Multiplexing | None:
+def check_multiplexing(
+    actor_cls: type, multiplexed: Sequence[str], max_models: int | None = None
+) -> Multiplexing | None:
     """A service's multiplexing, checked: multiplexed endpoints need a model loader.
     ``max_models`` (the ``options(max_models=...)`` of the service) overrides the loader's."""
     spec = multiplexing_of(actor_cls)
@@ -276,9 +294,13 @@ class _ModelStats:
     max_batch_size: int = 0
 
     def as_dict(self) -> dict[str, float]:
-        return {"requests": self.requests, "loads": self.loads, "batches": self.batches,
-                "mean_batch_size": self.items / self.batches if self.batches else 0.0,
-                "max_batch_size": self.max_batch_size}
+        return {
+            "requests": self.requests,
+            "loads": self.loads,
+            "batches": self.batches,
+            "mean_batch_size": self.items / self.batches if self.batches else 0.0,
+            "max_batch_size": self.max_batch_size,
+        }
 
 
 class ReplicaModels:
@@ -289,7 +311,9 @@ class ReplicaModels:
     ``model_id`` there (a replica sends ``_forge_load_model``; tests pass a coroutine).
     """
 
-    def __init__(self, spec: Multiplexing, load: Callable[[Hashable, list], Awaitable[Any]], *, name: str = "models") -> None:
+    def __init__(
+        self, spec: Multiplexing, load: Callable[[Hashable, list], Awaitable[Any]], *, name: str = "models"
+    ) -> None:
         self.spec = spec
         self.name = name
         self.loads = self.evictions = self.hits = self.misses = self.load_failures = 0
@@ -304,7 +328,9 @@ class ReplicaModels:
         self._loader: asyncio.Task | None = None
         self._closed = False
 
-    def batcher(self, spec: Batching, execute: Callable[[list[Any], Hashable], Awaitable[Sequence[Any]]], *, name: str) -> Batcher:
+    def batcher(
+        self, spec: Batching, execute: Callable[[list[Any], Hashable], Awaitable[Sequence[Any]]], *, name: str
+    ) -> Batcher:
         """A batcher for one multiplexed endpoint: per-model queues, ``execute(items, model_id)``."""
         batcher = _ModelBatcher(self, spec, self._serving(execute), name=name)
         self._batchers.append(batcher)
@@ -361,14 +387,18 @@ class ReplicaModels:
         rec = self._resident.get(key[0])  # type: ignore[index]
         return rec is not None and rec.key == key and rec.state in (_State.LOADED, _State.DRAINING)
 
-    def _serving(self, execute: Callable[[list[Any], Hashable], Awaitable[Sequence[Any]]]) -> Callable[[list[Any], Hashable], Awaitable[Sequence[Any]]]:
+    def _serving(
+        self, execute: Callable[[list[Any], Hashable], Awaitable[Sequence[Any]]]
+    ) -> Callable[[list[Any], Hashable], Awaitable[Sequence[Any]]]:
         async def run(items: list[Any], key: Hashable) -> Sequence[Any]:
             model_id = key[0]  # type: ignore[index]
             rec = self._resident.get(model_id)
             if rec is None or rec.key != key or rec.state not in (_State.LOADED, _State.DRAINING):
                 # Unreachable by construction (a model with queued work is never evicted);
                 # failing the batch is the safe answer if it ever happens.
-                raise RuntimeError(f"{self.name}: a batch for model {model_id!r} was ready while that model was not loaded")
+                raise RuntimeError(
+                    f"{self.name}: a batch for model {model_id!r} was ready while that model was not loaded"
+                )
             rec.running += 1
             if rec.state is _State.LOADED:
                 self._resident.move_to_end(model_id)
@@ -452,7 +482,9 @@ class ReplicaModels:
         except Exception as exc:
             self.load_failures += 1
             if isinstance(exc, EndpointError):
-                exc = ModelLoadError(f"{self.name}: {self.spec.loader}({rec.model_id!r})", exc.type_name, exc.remote_message, exc.remote)
+                exc = ModelLoadError(
+                    f"{self.name}: {self.spec.loader}({rec.model_id!r})", exc.type_name, exc.remote_message, exc.remote
+                )
             logger.warning("loading model %r failed: %s", rec.model_id, exc)
             if self._resident.get(rec.model_id) is rec:
                 del self._resident[rec.model_id]
@@ -507,7 +539,14 @@ class ReplicaModels:
 class _ModelBatcher(Batcher):
     """A ``Batcher`` whose queues are per model (and per load of it), gated on the load."""
 
-    def __init__(self, models: ReplicaModels, spec: Batching, execute: Callable[[list[Any], Hashable], Awaitable[Sequence[Any]]], *, name: str) -> None:
+    def __init__(
+        self,
+        models: ReplicaModels,
+        spec: Batching,
+        execute: Callable[[list[Any], Hashable], Awaitable[Sequence[Any]]],
+        *,
+        name: str,
+    ) -> None:
         super().__init__(spec, execute, name=name, runnable=models.runnable)
         self._models = models
 
@@ -539,7 +578,9 @@ def aggregate_metrics(replica_models: Sequence[dict[str, Any]]) -> dict[str, Any
     per_model: dict[Hashable, dict[str, Any]] = {}
     for m in replica_models:
         for model_id, s in m["per_model"].items():
-            t = per_model.setdefault(model_id, {"requests": 0, "loads": 0, "batches": 0, "items": 0.0, "max_batch_size": 0})
+            t = per_model.setdefault(
+                model_id, {"requests": 0, "loads": 0, "batches": 0, "items": 0.0, "max_batch_size": 0}
+            )
             t["requests"] += s["requests"]
             t["loads"] += s["loads"]
             t["batches"] += s["batches"]

@@ -99,11 +99,18 @@ class ActorOptions:
         if self.router is not None and not isinstance(self.router, Router):
             make_router(self.router)  # validates the name
         if not isinstance(self.endpoint_routers, dict):
-            raise ValueError(f"options(endpoint_routers=...) must be a dict of endpoint name -> router, got {self.endpoint_routers!r}")
+            raise ValueError(
+                "options(endpoint_routers=...) must be a dict of endpoint name -> router, "
+                f"got {self.endpoint_routers!r}"
+            )
         for spec in self.endpoint_routers.values():
             if not isinstance(spec, Router):
                 make_router(spec)
-        if self.name is not None and (not isinstance(self.name, str) or not self.name.replace("_", "").replace("-", "").isalnum()):
+        if self.name is not None and (
+            not isinstance(self.name, str) or not self.name.replace("_", "").replace("-", "").isalnum()
+        ):
             raise ValueError(f"options(name=...) must be letters, digits, '-' or '_', got {self.name!r}")
-        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+        if not isinstance(self.env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
+        ):
             raise ValueError(f"options(env=...) must be a dict of str -> str, got {self.env!r}")

@@ -20,9 +20,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import forge.controller._env  # noqa: F401  (before monarch)
 import monarch.actor
 from monarch.actor import MeshFailure, ProcMesh, default_bootstrap_cmd, this_host
+
+import forge.controller._env  # noqa: F401  (before monarch)
 
 logger = logging.getLogger("forge.provisioner")
 
@@ -53,7 +54,7 @@ def split_gpus(num_replicas: int, gpus_per_replica: int, devices: Sequence[str])
             f"{len(devices)} are visible ({list(devices)}); lower num_replicas or procs, or set "
             f"CUDA_VISIBLE_DEVICES"
         )
-    return [list(devices[i * gpus_per_replica:(i + 1) * gpus_per_replica]) for i in range(num_replicas)]
+    return [list(devices[i * gpus_per_replica : (i + 1) * gpus_per_replica]) for i in range(num_replicas)]
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

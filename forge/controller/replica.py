@@ -171,8 +171,12 @@ class Replica:
             if opts.host_pool is not None:
                 self.host_index = opts.host_pool.pick(avoid=self.host_index if self.generation else None)
                 host = opts.host_pool.host(self.host_index)
-            self.proc_mesh = spawn_proc_mesh(self.mesh_name, opts.procs, self.spec.gpus, {**opts.env, **self.spec.env}, host)
-            self.actor_mesh = self.proc_mesh.spawn(self.mesh_name, self.spec.actor_cls, *self.spec.args, **self.spec.kwargs)
+            self.proc_mesh = spawn_proc_mesh(
+                self.mesh_name, opts.procs, self.spec.gpus, {**opts.env, **self.spec.env}, host
+            )
+            self.actor_mesh = self.proc_mesh.spawn(
+                self.mesh_name, self.spec.actor_cls, *self.spec.args, **self.spec.kwargs
+            )
             await await_with_timeout(self.actor_mesh.setup.call(), opts.setup_timeout_s)
         except BaseException as exc:
             self.state = ReplicaState.FAILED
@@ -181,14 +185,18 @@ class Replica:
             raise translate_error(exc, f"{self.spec.actor_cls.__name__} replica {self.replica_id} setup") from exc
         self.models = None
         if self.spec.multiplexed:
-            self.models = ReplicaModels(self.spec.multiplexing, self._load_model, name=f"{self.spec.actor_cls.__name__}@r{self.replica_id}")
+            self.models = ReplicaModels(
+                self.spec.multiplexing, self._load_model, name=f"{self.spec.actor_cls.__name__}@r{self.replica_id}"
+            )
         self.batchers = {}
         for name, spec in self.spec.batching.items():
             label = f"{self.spec.actor_cls.__name__}.{name}@r{self.replica_id}"
             if name in self.spec.multiplexed:
                 self.batchers[name] = self.models.batcher(spec, self._batch_executor(name), name=label)  # type: ignore[union-attr]
             else:
-                self.batchers[name] = Batcher(spec, self._batch_executor(name), name=label, send_full=name in self.spec.send_full)
+                self.batchers[name] = Batcher(
+                    spec, self._batch_executor(name), name=label, send_full=name in self.spec.send_full
+                )
         self.started_at = self.last_progress = time.monotonic()
         self.state = ReplicaState.HEALTHY if take_traffic else ReplicaState.RECOVERING
         logger.debug("replica %s ready in %.2fs", self.mesh_name, self.started_at - t0)
@@ -274,7 +282,9 @@ class Replica:
         except asyncio.TimeoutError as exc:
             raise RequestTimeout(f"{self.spec.actor_cls.__name__}.{endpoint}: no result within {timeout}s") from exc
 
-    async def broadcast_call(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> list[Any]:
+    async def broadcast_call(
+        self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None
+    ) -> list[Any]:
         """Call every rank of this replica and return all their results (rank order)."""
         where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
         try:
@@ -320,7 +330,9 @@ class Replica:
                         f"(it must be picklable): {type(item).__name__}: {exc}"
                     )
             if len(good) == len(items):
-                raise UnsendableArgument(f"{self.spec.actor_cls.__name__}.{endpoint}: the batch cannot be sent to the replica")
+                raise UnsendableArgument(
+                    f"{self.spec.actor_cls.__name__}.{endpoint}: the batch cannot be sent to the replica"
+                )
             if good:
                 sent = await execute([items[i] for i in good], key)
                 for i, value in zip(good, sent):
@@ -359,7 +371,9 @@ class Replica:
             if exc.args == (_ABORT,) and self.state is ReplicaState.FAILED:
                 if hasattr(task, "uncancel"):
                     task.uncancel()  # type: ignore[union-attr]
-                raise ReplicaFailed(f"{where}: the replica failed while this request was in flight: {self.failure}") from None
+                raise ReplicaFailed(
+                    f"{where}: the replica failed while this request was in flight: {self.failure}"
+                ) from None
             raise
         except BaseException as exc:
             self._calls.discard(task)  # type: ignore[arg-type]  # don't abort ourselves below

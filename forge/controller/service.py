@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
-import time
 import contextvars
+import inspect
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Sequence
 from typing import Any
@@ -39,7 +39,7 @@ from forge.controller.multiplex import aggregate_metrics, check_multiplexing
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import add_fault_listener, remove_fault_listener, split_gpus, visible_gpus
 from forge.controller.replica import Replica, ReplicaSpec, ReplicaState
-from forge.controller.routing import RouteRequest, Router, make_router
+from forge.controller.routing import Router, RouteRequest, make_router
 
 logger = logging.getLogger("forge.service")
 
@@ -51,7 +51,11 @@ def endpoint_properties(actor_cls: type) -> dict[str, Any]:
     """Name -> Monarch EndpointProperty for every endpoint of ``actor_cls``."""
     from monarch._src.actor.endpoint import EndpointProperty
 
-    return {name: getattr(actor_cls, name) for name in dir(actor_cls) if isinstance(getattr(actor_cls, name, None), EndpointProperty)}
+    return {
+        name: getattr(actor_cls, name)
+        for name in dir(actor_cls)
+        if isinstance(getattr(actor_cls, name, None), EndpointProperty)
+    }
 
 
 class Service:
@@ -62,23 +66,47 @@ class Service:
         self.options = options
         self.name = f"{options.name or actor_cls.__name__.lower()}{next(_service_ids)}"
         self.endpoints = endpoint_properties(actor_cls)
-        self.batching: dict[str, Batching] = {n: b for n, p in self.endpoints.items() if (b := batching_of(p)) is not None}
+        self.batching: dict[str, Batching] = {
+            n: b for n, p in self.endpoints.items() if (b := batching_of(p)) is not None
+        }
         for spec in self.batching.values():
             spec.resolve_assembly(actor_cls)  # a bad enbatch/debatch name fails here, not per batch
         self.multiplexed = frozenset(n for n, p in self.endpoints.items() if is_multiplexed(p))
         self.multiplexing = check_multiplexing(actor_cls, self.multiplexed, options.max_models)
         # Full batches of an endpoint the actor runs one message at a time go out past the
         # slots (see Batcher's send_full); concurrent ones would run at once, so they wait.
-        send_full = frozenset(n for n in self.batching if not is_concurrent(self.endpoints[n]) and n not in self.multiplexed)
+        send_full = frozenset(
+            n for n in self.batching if not is_concurrent(self.endpoints[n]) and n not in self.multiplexed
+        )
         for name in options.endpoint_routers:
             if name not in self.endpoints:
-                raise ValueError(f"options(endpoint_routers=...) names {name!r}, which is not an endpoint of {actor_cls.__name__}; endpoints: {sorted(self.endpoints)}")
+                raise ValueError(
+                    f"options(endpoint_routers=...) names {name!r}, which is not an endpoint of "
+                    f"{actor_cls.__name__}; endpoints: {sorted(self.endpoints)}"
+                )
         self._default_router_spec = options.router
         self._routers: dict[str, Router] = {}
-        gpus = split_gpus(options.num_replicas, options.procs, visible_gpus()) if options.with_gpus else [None] * options.num_replicas
+        gpus = (
+            split_gpus(options.num_replicas, options.procs, visible_gpus())
+            if options.with_gpus
+            else [None] * options.num_replicas
+        )
         self.replicas = [
-            Replica(i, ReplicaSpec(actor_cls, args, kwargs, options, self.batching, self.name, gpus[i],
-                                   multiplexing=self.multiplexing, multiplexed=self.multiplexed, send_full=send_full))
+            Replica(
+                i,
+                ReplicaSpec(
+                    actor_cls,
+                    args,
+                    kwargs,
+                    options,
+                    self.batching,
+                    self.name,
+                    gpus[i],
+                    multiplexing=self.multiplexing,
+                    multiplexed=self.multiplexed,
+                    send_full=send_full,
+                ),
+            )
             for i in range(options.num_replicas)
         ]
         for replica in self.replicas:
@@ -167,7 +195,7 @@ class Service:
                 logger.error("replica %s failed %d times; not restarting it again", replica.mesh_name, replica.restarts)
                 await self._notify_capacity()
                 return
-            await asyncio.sleep(min(self.options.restart_backoff_s * 2 ** attempt, 30.0))
+            await asyncio.sleep(min(self.options.restart_backoff_s * 2**attempt, 30.0))
             await replica.stop(ReplicaFailed(f"replica {replica.replica_id} is restarting"))
             replica.generation += 1
             replica.restarts += 1
@@ -178,7 +206,12 @@ class Service:
             except Exception as exc:
                 attempt += 1
                 replica.state = ReplicaState.FAILED
-                logger.warning("restarting replica %s failed (%s); retrying", replica.mesh_name, _first_line(exc), exc_info=logger.isEnabledFor(logging.DEBUG))
+                logger.warning(
+                    "restarting replica %s failed (%s); retrying",
+                    replica.mesh_name,
+                    _first_line(exc),
+                    exc_info=logger.isEnabledFor(logging.DEBUG),
+                )
                 continue
             replica.state = ReplicaState.HEALTHY
             self.recovery_log.append({"replica": replica.replica_id, "recovery_s": time.monotonic() - failed_at})
@@ -199,7 +232,11 @@ class Service:
             due = [r for r in self.replicas if r.state is ReplicaState.HEALTHY and now - r.last_progress >= interval]
             answers = await asyncio.gather(*(r.probe(limit) for r in due))
             for replica, alive in zip(due, answers):
-                if not alive and replica.state is ReplicaState.HEALTHY and time.monotonic() - replica.last_progress >= limit:
+                if (
+                    not alive
+                    and replica.state is ReplicaState.HEALTHY
+                    and time.monotonic() - replica.last_progress >= limit
+                ):
                     if self.options.host_pool is not None and replica.host_index is not None:
                         self.options.host_pool.mark_dead(replica.host_index)
                     replica.mark_failed(f"no answer for {limit:.0f}s")
@@ -225,7 +262,8 @@ class Service:
     def _candidates(self, exclude: set[tuple[int, int]]) -> list[Replica]:
         limit = self.options.max_in_flight_per_replica
         return [
-            r for r in self.replicas
+            r
+            for r in self.replicas
             if r.accepting and (r.replica_id, r.generation) not in exclude and (limit is None or r.in_flight < limit)
         ]
 
@@ -250,7 +288,10 @@ class Service:
         if candidates:
             return candidates
         if self._waiting >= self.options.max_queued:
-            raise Overloaded(f"service {self.name}: {self._waiting} callers already wait for admission (max_queued={self.options.max_queued})")
+            raise Overloaded(
+                f"service {self.name}: {self._waiting} callers already wait for admission "
+                f"(max_queued={self.options.max_queued})"
+            )
         assert self._capacity_changed is not None
         deadline = time.monotonic() + self.options.queue_timeout_s
         self._waiting += 1
@@ -262,18 +303,26 @@ class Service:
                     candidates = self._candidates(exclude)
                     if candidates:
                         return candidates
-                    if not any(r.state in (ReplicaState.STARTING, ReplicaState.RECOVERING, ReplicaState.HEALTHY)
-                               or r.replica_id in self._recoveries for r in self.replicas):
+                    if not any(
+                        r.state in (ReplicaState.STARTING, ReplicaState.RECOVERING, ReplicaState.HEALTHY)
+                        or r.replica_id in self._recoveries
+                        for r in self.replicas
+                    ):
                         states = {r.replica_id: r.state.value for r in self.replicas}
-                        raise NoHealthyReplica(f"service {self.name} has no replica that can take {endpoint!r}: {states}")
+                        raise NoHealthyReplica(
+                            f"service {self.name} has no replica that can take {endpoint!r}: {states}"
+                        )
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         if self.healthy_replicas():
                             raise Overloaded(
                                 f"service {self.name}: every replica holds max_in_flight_per_replica="
-                                f"{self.options.max_in_flight_per_replica} requests; waited {self.options.queue_timeout_s}s"
+                                f"{self.options.max_in_flight_per_replica} requests; "
+                                f"waited {self.options.queue_timeout_s}s"
                             )
-                        raise NoHealthyReplica(f"service {self.name}: no replica recovered within {self.options.queue_timeout_s}s")
+                        raise NoHealthyReplica(
+                            f"service {self.name}: no replica recovered within {self.options.queue_timeout_s}s"
+                        )
                     try:
                         await asyncio.wait_for(self._capacity_changed.wait(), remaining)
                     except asyncio.TimeoutError:
@@ -281,8 +330,15 @@ class Service:
         finally:
             self._waiting -= 1
 
-    async def request(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable, timeout: float | None,
-                      queued: tuple[Replica, int, asyncio.Future] | None = None) -> Any:
+    async def request(
+        self,
+        endpoint: str,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        key: Hashable,
+        timeout: float | None,
+        queued: tuple[Replica, int, asyncio.Future] | None = None,
+    ) -> Any:
         """Route one request, resending it elsewhere if its replica dies before answering.
 
         ``queued``: the first attempt of a batched item that ``queue_batched`` already queued
@@ -354,7 +410,9 @@ class Service:
         except TypeError as exc:
             raise TypeError(f"{self.actor_cls.__name__}.{endpoint}{signature}: {exc}") from None
 
-    async def fanout(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None, key: Hashable = None) -> list[Any]:
+    async def fanout(
+        self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None, key: Hashable = None
+    ) -> list[Any]:
         if timeout is None and endpoint not in self.batching:
             timeout = self.options.call_timeout_s
         if endpoint not in self.batching:
@@ -387,7 +445,18 @@ class Service:
         totals: dict[str, dict[str, float]] = {}
         for rm in replicas.values():
             for ep, stats in rm["endpoints"].items():
-                t = totals.setdefault(ep, {"requests": 0, "batches": 0, "items": 0.0, "wait": 0.0, "max_batch_size": 0, "in_flight": 0, "errors": 0})
+                t = totals.setdefault(
+                    ep,
+                    {
+                        "requests": 0,
+                        "batches": 0,
+                        "items": 0.0,
+                        "wait": 0.0,
+                        "max_batch_size": 0,
+                        "in_flight": 0,
+                        "errors": 0,
+                    },
+                )
                 t["requests"] += stats["requests"]
                 t["batches"] += stats["batches"]
                 t["items"] += stats["mean_batch_size"] * stats["batches"]
@@ -407,8 +476,13 @@ class Service:
             }
             for ep, t in totals.items()
         }
-        result = {"service": self.name, "replicas": replicas, "endpoints": endpoints, "retried": self.retried,
-                  "restarts": sum(r.restarts for r in self.replicas)}
+        result = {
+            "service": self.name,
+            "replicas": replicas,
+            "endpoints": endpoints,
+            "retried": self.retried,
+            "restarts": sum(r.restarts for r in self.replicas),
+        }
         if self.multiplexed:
             result["models"] = aggregate_metrics([rm["models"] for rm in replicas.values() if "models" in rm])
         return result
@@ -451,7 +525,9 @@ class EndpointHandle:
         self._batched = name in service.batching
         self._multiplexed = name in service.multiplexed
 
-    def route(self, *args: Any, key: Hashable = None, timeout: float | None = None, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+    def route(
+        self, *args: Any, key: Hashable = None, timeout: float | None = None, **kwargs: Any
+    ) -> Coroutine[Any, Any, Any]:
         """One request to one replica chosen by the endpoint's router; await it for the result.
 
         For a batched endpoint pass exactly one item; it is prebatched with others and you get
@@ -475,15 +551,23 @@ class EndpointHandle:
             return self._service.queue_batched(self._name, args[0], key, timeout)
         return self._service.request(self._name, args, kwargs, key, timeout)
 
-    async def route_many(self, items: Sequence[Any], *, keys: Sequence[Hashable] | None = None, timeout: float | None = None,
-                         model_id: Hashable = None) -> list[Any]:
+    async def route_many(
+        self,
+        items: Sequence[Any],
+        *,
+        keys: Sequence[Hashable] | None = None,
+        timeout: float | None = None,
+        model_id: Hashable = None,
+    ) -> list[Any]:
         """Route each item as its own request, concurrently; results in the items' order.
         ``model_id``: the model of every item, for a multiplexed endpoint."""
         if keys is not None and len(keys) != len(items):
             raise ValueError(f"route_many: {len(keys)} keys for {len(items)} items; give one key per item")
         keys = keys if keys is not None else [None] * len(items)
         extra = {"model_id": model_id} if model_id is not None else {}
-        return list(await asyncio.gather(*(self.route(item, key=k, timeout=timeout, **extra) for item, k in zip(items, keys))))
+        return list(
+            await asyncio.gather(*(self.route(item, key=k, timeout=timeout, **extra) for item, k in zip(items, keys)))
+        )
 
     async def fanout(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """The same request to every healthy replica; one result per replica."""
@@ -496,7 +580,7 @@ class EndpointHandle:
         if model_id is None or key is not None:
             raise TypeError(
                 f"{self._service.actor_cls.__name__}.{self._name} is multiplexed: name the model that serves the "
-                f"item with model_id=... (and no key=), e.g. route(x, model_id=\"m7\")"
+                f'item with model_id=... (and no key=), e.g. route(x, model_id="m7")'
             )
         return model_id
 

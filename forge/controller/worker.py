@@ -19,8 +19,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--address must look like tcp://host:port, got {args.address!r}")
     # Replica processes started here must import the controller's actor classes.
     os.environ.setdefault("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
-    import forge.controller._env  # noqa: F401  (before monarch)
     from monarch.actor import run_worker_loop_forever
+
+    import forge.controller._env  # noqa: F401  (before monarch)
 
     run_worker_loop_forever(ca="trust_all_connections", address=args.address)
 

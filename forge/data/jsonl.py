@@ -12,9 +12,7 @@ class DatasetFormatError(ValueError):
     """A dataset file is not what the reader expects; the message names file and line."""
 
 
-def read_jsonl_prompts(
-    path: str | Path, question_key: str = "question", answer_key: str = "answer"
-) -> list[Prompt]:
+def read_jsonl_prompts(path: str | Path, question_key: str = "question", answer_key: str = "answer") -> list[Prompt]:
     """Every record of ``path`` as a ``Prompt`` (text from ``question_key``, answer from ``answer_key``).
 
     Blank lines are skipped. ``prompt_id`` is ``"<file stem>-<line number>"`` so a prompt can be
@@ -37,19 +35,13 @@ def read_jsonl_prompts(
             except json.JSONDecodeError as e:
                 raise DatasetFormatError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(record, dict):
-                raise DatasetFormatError(
-                    f"{where}: expected a JSON object per line, got {type(record).__name__}"
-                )
+                raise DatasetFormatError(f"{where}: expected a JSON object per line, got {type(record).__name__}")
             for key in (question_key, answer_key):
                 if key not in record:
-                    raise DatasetFormatError(
-                        f"{where}: missing key {key!r}; the record has keys {sorted(record)}"
-                    )
+                    raise DatasetFormatError(f"{where}: missing key {key!r}; the record has keys {sorted(record)}")
             question, answer = record[question_key], record[answer_key]
             if not isinstance(question, str):
-                raise DatasetFormatError(
-                    f"{where}: {question_key!r} must be a string, got {type(question).__name__}"
-                )
+                raise DatasetFormatError(f"{where}: {question_key!r} must be a string, got {type(question).__name__}")
             if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
                 raise DatasetFormatError(
                     f"{where}: {answer_key!r} must be a string or number, got {type(answer).__name__}"

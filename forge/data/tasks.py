@@ -57,8 +57,7 @@ class ToyTask:
     def __post_init__(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(
-                f"need 1 <= min_digits <= max_digits, got min_digits={self.min_digits}, "
-                f"max_digits={self.max_digits}"
+                f"need 1 <= min_digits <= max_digits, got min_digits={self.min_digits}, max_digits={self.max_digits}"
             )
         if self.num_prompts is not None and self.num_prompts < 0:
             raise ValueError(f"num_prompts must be >= 0 or None, got {self.num_prompts}")

@@ -385,9 +385,7 @@ def _prompt_ids(prompt: Any, index: int) -> list[int] | None:
         if not prompt:
             raise ValueError(f"prompts[{index}] is empty")
         return list(prompt)
-    raise ValueError(
-        f"prompts[{index}] must be a str or a sequence of int token ids, got {type(prompt)}"
-    )
+    raise ValueError(f"prompts[{index}] must be a str or a sequence of int token ids, got {type(prompt)}")
 
 
 def _sampled_logprobs(sample: Any, token_ids: list[int], request_id: str) -> list[float]:

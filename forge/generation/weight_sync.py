@@ -87,9 +87,7 @@ def validate_state_dict(
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(value)}")
         if not value.is_floating_point():
-            raise ValueError(
-                f"state_dict[{name!r}] must be a floating-point tensor, got {value.dtype}"
-            )
+            raise ValueError(f"state_dict[{name!r}] must be a floating-point tensor, got {value.dtype}")
         if name == TIED_HEAD and tied and name not in spec:
             expected = spec.get(TIED_EMBEDDING)
         elif name in spec:
@@ -98,8 +96,7 @@ def validate_state_dict(
             raise ValueError(f"state_dict has unexpected key {name!r}: not in the checkpoint")
         if tuple(value.shape) != tuple(expected):
             raise ValueError(
-                f"state_dict[{name!r}] has shape {tuple(value.shape)}, "
-                f"the checkpoint has {tuple(expected)}"
+                f"state_dict[{name!r}] has shape {tuple(value.shape)}, the checkpoint has {tuple(expected)}"
             )
     head = state_dict.get(TIED_HEAD)
     if tied and head is not None and TIED_HEAD not in spec:

@@ -28,9 +28,7 @@ def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True) -> 
     rewards: [G] -> advantages: [G]
     """
     if rewards.dim() != 1 or rewards.numel() == 0:
-        raise ValueError(
-            f"rewards must be a non-empty 1-D tensor [G] of one group, got shape {tuple(rewards.shape)}"
-        )
+        raise ValueError(f"rewards must be a non-empty 1-D tensor [G] of one group, got shape {tuple(rewards.shape)}")
     rewards = rewards.float()
     centred = rewards - rewards.mean()  # [G]
     if not scale:
@@ -48,8 +46,7 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(
-            f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} "
-            "must have the same shape"
+            f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} must have the same shape"
         )
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
@@ -101,9 +98,7 @@ def grpo_loss(
     same_shape = {"behaviour_logprobs": behaviour_logprobs, "ref_logprobs": ref_logprobs, "mask": mask}
     for name, t in same_shape.items():
         if t.shape != logprobs.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)}, expected {tuple(logprobs.shape)} like logprobs"
-            )
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logprobs.shape)} like logprobs")
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(
             f"advantages has shape {tuple(advantages.shape)}, expected ({logprobs.shape[0]},): "

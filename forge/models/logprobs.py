@@ -48,8 +48,7 @@ def pack_right_padded(
     """
     if len(prompt_ids) != len(response_ids):
         raise ValueError(
-            f"prompt_ids and response_ids must have the same length, "
-            f"got {len(prompt_ids)} and {len(response_ids)}"
+            f"prompt_ids and response_ids must have the same length, got {len(prompt_ids)} and {len(response_ids)}"
         )
     if not prompt_ids:
         raise ValueError("need at least one prompt/response pair, got none")
@@ -100,9 +99,7 @@ def padded_token_logprobs(
         )
     # Positions count real tokens only; pads get 0 (their outputs are masked anyway).
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-    ).logits
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     logits = logits[:, :-1].float() / temperature  # [B, L-1, V]
     targets = input_ids[:, 1:].unsqueeze(-1)  # [B, L-1, 1]
     # gather - logsumexp == log_softmax(...).gather, without a second [B, L-1, V] tensor.

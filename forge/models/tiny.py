@@ -129,8 +129,7 @@ def make_tiny_model(
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if hidden_size <= 0 or hidden_size % HEAD_DIM:
         raise ValueError(
-            f"hidden_size must be a positive multiple of {HEAD_DIM} (vLLM CPU head size), "
-            f"got {hidden_size}"
+            f"hidden_size must be a positive multiple of {HEAD_DIM} (vLLM CPU head size), got {hidden_size}"
         )
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")

@@ -113,9 +113,7 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             if not _tensorboard_warned:
-                logger.warning(
-                    "TensorBoardSink disabled: %s (pip install tensorboard to enable it)", e
-                )
+                logger.warning("TensorBoardSink disabled: %s (pip install tensorboard to enable it)", e)
                 _tensorboard_warned = True
             return
         purge = None if resume_after is None else resume_after + 1

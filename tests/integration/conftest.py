@@ -20,14 +20,10 @@ _TEST_INIT_STD = 0.3
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 (seed 0) that engines start from."""
-    return make_tiny_model(
-        tmp_path_factory.mktemp("models") / "tiny-seed0", seed=0, init_std=_TEST_INIT_STD
-    )
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-seed0", seed=0, init_std=_TEST_INIT_STD)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir_alt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same architecture, other weights (seed 1): the "trained" policy in weight-sync tests."""
-    return make_tiny_model(
-        tmp_path_factory.mktemp("models") / "tiny-seed1", seed=1, init_std=_TEST_INIT_STD
-    )
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-seed1", seed=1, init_std=_TEST_INIT_STD)

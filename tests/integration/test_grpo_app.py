@@ -38,10 +38,18 @@ def crash_after_warmup(prompt, response_text):  # noqa: ANN001  (a reward functi
 
 def _app(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     args = [
-        sys.executable, "-m", "apps.grpo.main", "--config", "configs/grpo_tiny.yaml",
-        "steps=3", "prompts_per_step=4", "group_size=4",
-        f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path / 'out'}",
-        "logging.progress_bar=false", f"weight_sync.dir={tmp_path / 'weights'}",
+        sys.executable,
+        "-m",
+        "apps.grpo.main",
+        "--config",
+        "configs/grpo_tiny.yaml",
+        "steps=3",
+        "prompts_per_step=4",
+        "group_size=4",
+        f"model.path={tmp_path / 'tiny'}",
+        f"logging.output_dir={tmp_path / 'out'}",
+        "logging.progress_bar=false",
+        f"weight_sync.dir={tmp_path / 'weights'}",
         *overrides,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}

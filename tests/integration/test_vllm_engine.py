@@ -103,9 +103,7 @@ def _hf_greedy(model: torch.nn.Module, tokenizer, prompts: list[str]) -> list[li
     out = []
     for prompt in prompts:
         ids = torch.tensor([tokenizer(prompt).input_ids])
-        seq = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS
-        )
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS)
         out.append(seq[0, ids.shape[1] :].tolist())
     return out
 
@@ -167,9 +165,7 @@ async def test_update_weights_switches_greedy_output_to_new_model(
 
     assert engine.version == 1
     assert all(group[0].policy_version == 1 for group in after)
-    assert [group[0].token_ids.tolist() for group in after] == _hf_greedy(
-        hf_model_alt, tokenizer, PROMPTS
-    )
+    assert [group[0].token_ids.tolist() for group in after] == _hf_greedy(hf_model_alt, tokenizer, PROMPTS)
     assert before != [group[0].token_ids.tolist() for group in after]
 
 
@@ -272,9 +268,7 @@ async def test_async_update_waits_for_generate_in_flight(
 ) -> None:
     """A generate already running finishes on the old weights and version; the next uses the new."""
     old = await _greedy(async_engine)
-    running = asyncio.create_task(
-        async_engine.generate(PROMPTS, n=1, temperature=0.0, max_tokens=MAX_TOKENS)
-    )
+    running = asyncio.create_task(async_engine.generate(PROMPTS, n=1, temperature=0.0, max_tokens=MAX_TOKENS))
     await asyncio.sleep(0)  # the call registers and submits its requests
     try:
         await async_engine.update_weights(load_file(str(tiny_model_dir_alt / "model.safetensors")), version=1)

@@ -51,7 +51,9 @@ def test_round_trip_restores_weights_optimizer_step_and_rng(tmp_path):
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     model, opt = tiny_model_and_optimizer()
     for step in (2, 4, 6):
-        save_checkpoint(tmp_path, model.state_dict(), TrainingState(step, step, opt.state_dict(), capture_rng()), keep=2)
+        save_checkpoint(
+            tmp_path, model.state_dict(), TrainingState(step, step, opt.state_dict(), capture_rng()), keep=2
+        )
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000006"]
     assert latest_checkpoint(tmp_path).name == "step_00000006"
 

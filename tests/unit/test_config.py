@@ -208,7 +208,9 @@ def test_optional_section_can_be_set_from_yaml_and_override(tmp_path):
 
 
 def test_unknown_key_in_optional_section_names_its_siblings(tmp_path):
-    with pytest.raises(ConfigError, match=r"extra\.lrr: unknown key .*known keys under 'extra': lr, steps.*did you mean 'extra.lr'"):
+    with pytest.raises(
+        ConfigError, match=r"extra\.lrr: unknown key .*known keys under 'extra': lr, steps.*did you mean 'extra.lr'"
+    ):
         load_config(_WithOptional, _yaml(tmp_path, "extra:\n  lrr: 0.5\n"))
 
 

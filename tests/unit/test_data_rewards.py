@@ -4,7 +4,6 @@ import random
 
 import pytest
 
-from forge.data import rewards
 from forge.data import (
     TOY_ALPHABET,
     UnknownRewardError,
@@ -14,6 +13,7 @@ from forge.data import (
     gsm8k_reward,
     list_rewards,
     register_reward,
+    rewards,
 )
 from forge.types import Prompt
 

@@ -88,6 +88,7 @@ def test_random_responses_get_small_but_varied_rewards():
     """A random model's samples give groups with reward variance, so GRPO has a signal at step 0."""
     rng = random.Random(0)
     prompts = ToyTask(seed=0).take(64)
+
     def random_text():
         return "".join(rng.choice(TOY_ALPHABET) for _ in range(rng.randint(1, 6)))
 
@@ -166,14 +167,11 @@ def _train_toy_task_with_grpo(steps: int, seed: int = 0) -> tuple[float, float]:
         resp = ids[:, plen:]  # [N, T]
         is_eos = (resp == eos).int()
         mask = (is_eos.cumsum(1) - is_eos) == 0  # tokens up to and including the first end token
-        texts = [
-            "".join(TOY_ALPHABET[t] for t in itertools.takewhile(lambda t: t != eos, row.tolist()))
-            for row in resp
-        ]
+        texts = ["".join(TOY_ALPHABET[t] for t in itertools.takewhile(eos.__ne__, row.tolist())) for row in resp]
         rewards = torch.tensor([toy_partial_reward(prompts[i // group], t) for i, t in enumerate(texts)])
         adv = torch.cat([group_advantages(g) for g in rewards.view(per_step, group)])
 
-        def logprobs(m):
+        def logprobs(m, ids=ids, plen=plen):
             lp = torch.log_softmax(m(ids[:, :-1]), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             return lp[:, plen - 1 :]  # [N, T]
 

@@ -36,8 +36,10 @@ def test_prompt_keys_batch_together_but_route_apart():
     assert a == b and hash(a) == hash(b)
     replicas = [_Replica(i) for i in range(4)]
     router = PromptAffinity()
-    owners = {text: router.choose(RouteRequest("generate", prompt_key(_prompt(text))), replicas).replica_id
-              for text in (f"{i:03d}=" for i in range(40))}
+    owners = {
+        text: router.choose(RouteRequest("generate", prompt_key(_prompt(text))), replicas).replica_id
+        for text in (f"{i:03d}=" for i in range(40))
+    }
     assert len(set(owners.values())) == 4  # spread over every replica
     again = router.choose(RouteRequest("generate", PromptKey("007=")), replicas).replica_id
     assert again == owners["007="]  # the same prompt (a retry) goes back to its owner
@@ -195,7 +197,9 @@ async def test_trainer_step_is_on_policy_bumps_version_and_publishes_tensors(mod
 
     from forge.actors.trainer import Trainer, TrainerConfig
 
-    trainer = this_proc().spawn("trainer_test", Trainer, TrainerConfig(model_path=str(model_dir), temperature=0.7, lr=1e-2))
+    trainer = this_proc().spawn(
+        "trainer_test", Trainer, TrainerConfig(model_path=str(model_dir), temperature=0.7, lr=1e-2)
+    )
     try:
         await trainer.setup.call_one()
         before, version = await trainer.weights.call_one()

@@ -7,7 +7,6 @@ import torch
 
 from forge.losses import group_advantages, grpo_loss, k3_kl
 
-
 # ---------------------------------------------------------------------------------------------
 # group_advantages
 

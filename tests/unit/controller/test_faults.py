@@ -171,7 +171,9 @@ async def test_application_errors_never_restart_a_replica():
 
 
 async def test_admission_limits_give_overloaded_after_the_queue_wait():
-    svc = await Worker.options(num_replicas=1, max_in_flight_per_replica=2, max_queued=3, queue_timeout_s=0.3).as_service()
+    svc = await Worker.options(
+        num_replicas=1, max_in_flight_per_replica=2, max_queued=3, queue_timeout_s=0.3
+    ).as_service()
     try:
         t0 = time.monotonic()
         results = await asyncio.gather(*(svc.slow.route(i) for i in range(10)), return_exceptions=True)
@@ -198,11 +200,13 @@ async def test_per_call_timeout():
 
 async def test_flood_keeps_controller_memory_bounded():
     """100,000 requests offered against a small limit: they are refused, not buffered."""
-    svc = await Worker.options(num_replicas=1, max_in_flight_per_replica=32, max_queued=100, queue_timeout_s=0.5).as_service()
+    svc = await Worker.options(
+        num_replicas=1, max_in_flight_per_replica=32, max_queued=100, queue_timeout_s=0.5
+    ).as_service()
     try:
         rss_before = psutil.Process().memory_info().rss
         served = refused = 0
-        for wave in range(10):
+        for _wave in range(10):
             out = await asyncio.gather(*(svc.work.route(i) for i in range(10_000)), return_exceptions=True)
             served += sum(isinstance(r, int) for r in out)
             refused += sum(isinstance(r, Overloaded) for r in out)

@@ -60,7 +60,9 @@ async def test_losing_a_host_moves_its_replicas_to_the_other_host():
         workers[1].kill()
         deadline = time.monotonic() + 30
         while not (victim.restarts >= 1 and all(r.state is ReplicaState.HEALTHY for r in svc.service.replicas)):
-            assert time.monotonic() < deadline, f"no recovery: {[(r.state, r.host_index) for r in svc.service.replicas]}"
+            assert time.monotonic() < deadline, (
+                f"no recovery: {[(r.state, r.host_index) for r in svc.service.replicas]}"
+            )
             await asyncio.sleep(0.1)
         assert victim.host_index == 0
         await asyncio.sleep(0.5)

@@ -128,7 +128,9 @@ async def test_model_with_running_work_is_never_evicted(solo):
 
 async def test_failed_load_fails_only_its_requests(solo):
     out = await asyncio.gather(
-        solo.predict.route(1, model_id="broken"), solo.predict.route(2, model_id="a"), solo.predict.route(3, model_id="broken"),
+        solo.predict.route(1, model_id="broken"),
+        solo.predict.route(2, model_id="a"),
+        solo.predict.route(3, model_id="broken"),
         return_exceptions=True,
     )
     assert out[1] == ("a", 2)
@@ -191,7 +193,9 @@ async def test_round_robin_thrashes_where_model_aware_does_not():
         rng = random.Random(2)
         for _ in range(15):
             asks = [(i, f"s{rng.randrange(6)}") for i in range(12)]
-            assert await asyncio.gather(*(svc.predict.route(i, model_id=m) for i, m in asks)) == [(m, i) for i, m in asks]
+            assert await asyncio.gather(*(svc.predict.route(i, model_id=m) for i, m in asks)) == [
+                (m, i) for i, m in asks
+            ]
         assert svc.metrics()["models"]["loads"] >= 20
     finally:
         await svc.shutdown()
@@ -244,29 +248,38 @@ async def test_plain_actor_mesh_loads_models_on_demand():
 # ------------------------------------------------------------------ declaration errors
 def test_multiplexed_endpoint_needs_a_batch():
     with pytest.raises(TypeError, match="needs batch=Batching"):
+
         @endpoint(multiplexed=True)
         async def predict(self, model, items): ...
 
 
 def test_multiplexed_endpoint_takes_the_model_and_the_batch():
-    with pytest.raises(TypeError, match="must take exactly two required arguments \\(the model, the batch\\), got \\['items'\\]"):
+    with pytest.raises(
+        TypeError, match="must take exactly two required arguments \\(the model, the batch\\), got \\['items'\\]"
+    ):
+
         @endpoint(batch=Batching(), multiplexed=True)
         async def predict(self, items): ...
 
 
 def test_multiplexed_endpoint_rejects_a_batching_key():
     with pytest.raises(TypeError, match="batching key is the model id"):
+
         @endpoint(batch=Batching(key=len), multiplexed=True)
         async def predict(self, model, items): ...
 
 
 def test_model_loader_must_be_async_and_take_a_model_id():
     with pytest.raises(TypeError, match="model loaders must be 'async def'"):
+
         @model_loader(max_models=2)
         def load(self, model_id): ...
+
     with pytest.raises(TypeError, match="exactly one required argument \\(the model id\\)"):
+
         @model_loader
         async def load2(self): ...
+
     with pytest.raises(ValueError, match="max_models=...\\) must be an integer >= 1, got 0"):
         model_loader(max_models=0)(Predictor.load_model)
 

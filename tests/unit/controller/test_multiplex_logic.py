@@ -52,7 +52,11 @@ class FakeActor:
 def make(max_models=2, max_size=8, max_wait_s=0.01, slots=1, **actor_kwargs):
     actor = FakeActor(max_models, **actor_kwargs)
     models = ReplicaModels(Multiplexing(max_models=max_models), actor.load, name="fake")
-    batcher = models.batcher(Batching(max_size=max_size, max_wait_s=max_wait_s, max_concurrent_batches=slots), actor.execute, name="fake.predict")
+    batcher = models.batcher(
+        Batching(max_size=max_size, max_wait_s=max_wait_s, max_concurrent_batches=slots),
+        actor.execute,
+        name="fake.predict",
+    )
     return actor, models, batcher
 
 
@@ -137,7 +141,9 @@ async def test_busy_models_cannot_starve_a_waiting_model():
 async def test_failed_load_fails_only_its_requests_and_is_tried_again():
     actor, models, b = make(fail={"bad"})
     out = await asyncio.gather(b.submit(1, "bad"), b.submit(2, "bad"), b.submit(3, "m1"), return_exceptions=True)
-    assert all(isinstance(e, ModelLoadError) and "no model bad" in str(e) and "load_model('bad')" in str(e) for e in out[:2])
+    assert all(
+        isinstance(e, ModelLoadError) and "no model bad" in str(e) and "load_model('bad')" in str(e) for e in out[:2]
+    )
     assert out[2] == ("m1", 3)
     assert await b.submit(4, "bad") == ("bad", 4)  # the next request loads it again
     m = models.metrics()
@@ -239,7 +245,11 @@ def test_model_aware_sends_a_new_model_to_the_replica_with_fewest_models():
 def test_model_aware_stays_within_the_load_bound():
     """A holder past the bound is skipped: the model goes to one more replica."""
     r = ModelAware(load_factor=1.5, slack=0)
-    reps = [FakeReplica(0, in_flight=12, models={"hot"}), FakeReplica(1, in_flight=2, models={"x"}), FakeReplica(2, in_flight=1, models={"y", "w"})]
+    reps = [
+        FakeReplica(0, in_flight=12, models={"hot"}),
+        FakeReplica(1, in_flight=2, models={"x"}),
+        FakeReplica(2, in_flight=1, models={"y", "w"}),
+    ]
     assert r.choose(RouteRequest("ep", "hot"), reps).replica_id == 1
 
 
@@ -286,7 +296,7 @@ async def test_stream_over_six_models_loads_each_about_once_with_model_aware_rou
     async def route(i, model_id):  # as the service does: choose, then enqueue at once
         return await r.choose(RouteRequest("predict", model_id), reps).submit(i, model_id)
 
-    for wave in range(40):
+    for _wave in range(40):
         asks = [(i, f"m{rng.randrange(6)}") for i in range(12)]
         assert await asyncio.gather(*(route(i, m) for i, m in asks)) == [(m, i) for i, m in asks]
     loads = sum(rep.models.loads for rep in reps)

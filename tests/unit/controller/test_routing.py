@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from forge.controller import KeyAffinity, LeastLoaded, RoundRobin, RouteRequest, Router, Sticky, register_router
+from forge.controller import KeyAffinity, LeastLoaded, RoundRobin, Router, RouteRequest, Sticky, register_router
 from forge.controller.routing import make_router
 
 

@@ -56,8 +56,13 @@ class Counter(ForgeActor):
 
     @endpoint
     async def stats(self) -> dict:
-        return {"ready": self.ready, "batch_sizes": list(self.batch_sizes), "pid": os.getpid(),
-                "rank": current_rank().rank, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        return {
+            "ready": self.ready,
+            "batch_sizes": list(self.batch_sizes),
+            "pid": os.getpid(),
+            "rank": current_rank().rank,
+            "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
 
 
 def pad_rows(requests: list[list[int]]) -> torch.Tensor:
@@ -174,7 +179,7 @@ async def test_equal_keys_meet_on_one_replica_and_batch_together(counter_service
     before = {s["pid"]: len(s["batch_sizes"]) for s in await svc.stats.fanout()}
     await asyncio.gather(*(svc.score.route(i, key="prompt-17") for i in range(8)))
     after = {s["pid"]: s["batch_sizes"] for s in await svc.stats.fanout()}
-    new = {pid: sizes[before[pid]:] for pid, sizes in after.items()}
+    new = {pid: sizes[before[pid] :] for pid, sizes in after.items()}
     assert sorted(new.values(), key=len) == [[], [8]]  # one replica, one batch of 8
 
 
@@ -264,7 +269,7 @@ async def test_shutdown_fails_queued_requests_and_later_calls():
 
 async def test_bad_calls_are_named_at_the_call_site(counter_service):
     with pytest.raises(AttributeError, match="no endpoint 'scroe'; endpoints: .*'score'"):
-        counter_service.scroe
+        _ = counter_service.scroe
     with pytest.raises(TypeError, match="is batched: route\\(\\) takes exactly one item"):
         await counter_service.score.route(1, 2)
     with pytest.raises(ValueError, match="2 keys for 3 items"):
