@@ -1,7 +1,11 @@
 """Typed configuration: YAML files plus ``key=value`` overrides, checked against dataclass schemas.
 
 A schema is a tree of dataclasses (OmegaConf structured configs). Sources merge in one stated
-order, **command line > YAML file > dataclass defaults**, and every problem (an unknown key, a
+order, **command line > YAML file > dataclass defaults**. Sections (nested dataclasses) merge
+key by key, but a dict- or list-valued *field* given in a source **replaces** the value below
+it: ``reward: {fns: {gsm8k: 1.0}}`` means exactly ``{gsm8k: 1.0}``, never the default's keys
+plus ``gsm8k``. An override names the key it replaces: ``reward.fns={gsm8k: 1.0}`` replaces the
+dict, ``reward.fns.gsm8k=0.5`` sets one entry of it. Every problem (an unknown key, a
 value of the wrong type, a required value left ``MISSING``, a broken ``${...}``
 interpolation) is a ``ConfigError`` whose message names the full dotted key (``trainer.lr``),
 what was expected there, and which source (file or override) brought the bad value.
@@ -36,7 +40,7 @@ from omegaconf import errors as oc_errors
 
 T = TypeVar("T")
 
-__all__ = ["ConfigError", "config_to_dict", "config_to_yaml", "load_config"]
+__all__ = ["ConfigError", "config_changes", "config_to_dict", "config_to_yaml", "load_config"]
 
 
 class ConfigError(ValueError):
@@ -69,7 +73,8 @@ def load_config(schema_cls: type[T], path: str | Path | None = None, overrides: 
     for item in overrides:
         source = f"override {item!r}"
         layer = _parse_override(item, source)
-        cfg = _merge_checked(cfg, layer, schema_cls, source)
+        depth = len(item.partition("=")[0].strip().split("."))
+        cfg = _merge_checked(cfg, layer, schema_cls, source, replace_depth=depth)
 
     try:
         return OmegaConf.to_object(cfg)  # resolves ${...}, fails on MISSING
@@ -86,6 +91,32 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 def config_to_yaml(cfg: Any) -> str:
     """The resolved config as YAML text: what a run logs so it can be reproduced."""
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def config_changes(cfg: Any) -> dict[str, Any]:
+    """The parts of ``cfg`` (a dataclass instance) that differ from its schema's defaults.
+
+    A nested ``dict`` holding only the changed leaves, so a run can print what it runs with
+    beyond the defaults; a dict- or list-valued field that changed is shown whole.
+    """
+    defaults = OmegaConf.to_container(OmegaConf.structured(type(cfg)), resolve=False, enum_to_str=True)
+    return _changed(config_to_dict(cfg), defaults, type(cfg))
+
+
+def _changed(now: dict[str, Any], default: dict[str, Any], section: type) -> dict[str, Any]:
+    """The leaves of ``now`` that differ from ``default``; ``section`` is their dataclass."""
+    hints = typing.get_type_hints(section)
+    out: dict[str, Any] = {}
+    for key, value in now.items():
+        was = default.get(key)
+        kind = _unwrap_optional(hints.get(key))
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind) and isinstance(value, dict):
+            sub = _changed(value, was if isinstance(was, dict) else {}, kind)
+            if sub or not isinstance(was, dict):
+                out[key] = sub or value
+        elif value != was:
+            out[key] = value
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,15 +149,45 @@ def _parse_override(item: str, source: str) -> DictConfig:
         raise ConfigError(f"bad {source}: {_first_line(e)}", key=key, source=source) from None
 
 
-def _merge_checked(cfg: DictConfig, layer: DictConfig, schema_cls: type, source: str) -> DictConfig:
-    """Merge ``layer`` over ``cfg``, turning OmegaConf's errors into ``ConfigError`` s."""
+def _merge_checked(
+    cfg: DictConfig, layer: DictConfig, schema_cls: type, source: str, replace_depth: int | None = None
+) -> DictConfig:
+    """Merge ``layer`` over ``cfg``, turning OmegaConf's errors into ``ConfigError`` s.
+
+    ``replace_depth``: an override's key depth; only a dict field named by the override's key
+    itself is replaced (``reward.fns=...``), not one the key reaches into
+    (``reward.fns.gsm8k=...``). None (a file): every dict field the layer gives is replaced.
+    """
     _check_sections(cfg, layer, prefix="", source=source)
     try:
         merged = OmegaConf.merge(cfg, layer)
+        _replace_dict_fields(merged, layer, depth=1, replace_depth=replace_depth)
         _mark_missing(merged, layer)
         return merged
     except oc_errors.OmegaConfBaseException as e:
         raise _translate(e, schema_cls, source) from None
+
+
+def _replace_dict_fields(merged: DictConfig, layer: DictConfig, depth: int, replace_depth: int | None) -> None:
+    """Make every dict-valued field of ``layer`` replace, not extend, the value below it.
+
+    OmegaConf merges dicts key by key, which is right for sections (dataclasses) and wrong for
+    a field whose value *is* a dict: ``reward.fns: {gsm8k: 1.0}`` would run with the default
+    ``toy`` reward as well. Lists already replace. The merge has checked the types; assigning
+    the layer's dict checks them again against the field's declared value type.
+    """
+    for key in layer.keys():
+        incoming = layer._get_node(key)
+        target = merged._get_node(key)
+        if not (OmegaConf.is_dict(incoming) and OmegaConf.is_dict(target)):
+            continue
+        if incoming._is_none() or incoming._is_missing() or target._is_none() or target._is_missing():
+            continue
+        if OmegaConf.get_type(target) is dict:  # a dict-valued field, not a section
+            if replace_depth is None or depth == replace_depth:
+                merged[key] = OmegaConf.to_container(incoming, resolve=False)
+        else:
+            _replace_dict_fields(target, incoming, depth + 1, replace_depth)
 
 
 def _mark_missing(cfg: DictConfig, layer: DictConfig) -> None:
@@ -205,6 +266,7 @@ def _translate(e: oc_errors.OmegaConfBaseException, schema_cls: type, source: st
 
 
 def _first_line(e: BaseException) -> str:
+    """The first line of an OmegaConf error (its later lines repeat the key and types)."""
     msg = getattr(e, "msg", None) or str(e)
     return str(msg).splitlines()[0].strip()
 

@@ -23,7 +23,9 @@ Simplifications: one optimizer step per batch (no PPO epochs); advantages are pe
 per token; a group is trained on once; rollouts pause (backpressure) when
 ``rollout.max_buffered_groups`` are waiting, rather than generating data that would go stale.
 
-Outputs in ``logging.output_dir``: ``metrics.jsonl`` (one line per step), ``reward_loss.png``
+Outputs in ``logging.output_dir``: ``config.yaml`` (the resolved config the run used; the
+settings that differ from the defaults are also printed at start-up), ``metrics.jsonl`` (one
+line per step), ``reward_loss.png``
 and TensorBoard events when ``tensorboard`` is installed. Any role's failure, or Ctrl-C, stops
 every role and exits non-zero with a message naming the role.
 
@@ -102,6 +104,7 @@ async def run(cfg: Any, terminal: Any, resume_from: Path | None = None) -> str:
     from forge.controller.provisioner import add_fault_listener
 
     t_start = time.perf_counter()
+    record_config(cfg, terminal)
     model_path = prepare_model(cfg)
     watch = _FailureWatch(asyncio.get_running_loop())
     add_fault_listener(watch)
@@ -138,6 +141,22 @@ async def run(cfg: Any, terminal: Any, resume_from: Path | None = None) -> str:
             log.close()
         watch.stopping = True  # stays installed: late reports of stopped processes are silenced
         await stop_roles(roles)
+
+
+def record_config(cfg: Any, terminal: Any) -> Path:
+    """Write the resolved config to ``<output_dir>/config.yaml`` and print what differs from the
+    defaults, so that a run's record says exactly what it trained with."""
+    import yaml
+
+    from forge.config import config_changes, config_to_yaml
+
+    out = Path(cfg.logging.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    path.write_text(config_to_yaml(cfg))
+    changes = yaml.safe_dump(config_changes(cfg), sort_keys=False, default_flow_style=None).rstrip()
+    print(f"grpo: config (full: {path}); changed from the defaults:\n  " + changes.replace("\n", "\n  "), file=terminal)
+    return path
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

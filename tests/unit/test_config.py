@@ -221,3 +221,128 @@ def test_question_marks_in_yaml_make_a_defaulted_field_required(tmp_path):
     with pytest.raises(ConfigError, match=r"extra.steps: missing required value \(int\)"):
         load_config(_WithOptional, path, ["name=x"])
     assert load_config(_WithOptional, path, ["name=x", "extra.steps=4"]).extra.steps == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# A dict- or list-valued field given in a source replaces its default; it is never merged into it
+
+
+def _container_fields(schema, prefix=""):
+    """Every dict- or list-valued field of the app's config, as (dotted key, ``dict`` or ``list``)."""
+    import dataclasses
+    import typing
+
+    from forge.config import _unwrap_optional
+
+    out = []
+    for f in dataclasses.fields(schema):
+        kind = _unwrap_optional(typing.get_type_hints(schema)[f.name])
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            out += [(f"{f.name}.{k}", v) for k, v in _container_fields(kind)]
+        elif (typing.get_origin(kind) or kind) in (dict, list):
+            out.append((f.name, typing.get_origin(kind) or kind))
+    return out
+
+
+def _grpo_container_fields():
+    from apps.grpo.config import GRPOConfig
+
+    return _container_fields(GRPOConfig)
+
+
+def test_every_app_section_with_a_dict_or_list_field_is_covered():
+    """The replace-not-merge tests below run over these keys; the bug was in reward.fns."""
+    keys = {key for key, _ in _grpo_container_fields()}
+    assert {"reward.fns", "logging.sinks", "data.options", "policy.env", "trainer.env", "reference.env"} <= keys
+
+
+def _replacement_for(key, kind):
+    """A value for ``key`` that shares no entry with its default, in the field's own types."""
+    if kind is list:
+        return ["jsonl"] if key == "logging.sinks" else ["replacement"]
+    if key == "reward.fns":
+        return {"gsm8k": 1.0}
+    if key.endswith(".env"):
+        return {"FORGE_TEST_ONLY": "1"}
+    return {"only_this": 2}
+
+
+@pytest.mark.parametrize("key,kind", _grpo_container_fields(), ids=[k for k, _ in _grpo_container_fields()])
+def test_a_dict_or_list_field_from_yaml_replaces_its_default(tmp_path, key, kind):
+    """Each section: the YAML value is what runs, with none of the default's entries added."""
+    from apps.grpo.config import GRPOConfig
+
+    value = _replacement_for(key, kind)
+    section, leaf = key.rsplit(".", 1) if "." in key else ("", key)
+    nested = {leaf: value}
+    for part in reversed(section.split(".") if section else []):
+        nested = {part: nested}
+    path = _yaml(tmp_path, yaml.safe_dump(nested))
+    cfg = load_config(GRPOConfig, path, ["model.path=/m"])
+    got = cfg
+    for part in key.split("."):
+        got = getattr(got, part)
+    assert got == value
+
+
+def test_shipped_qwen3_config_runs_only_the_gsm8k_reward():
+    """configs/qwen3_1_7b.yaml says ``fns: {gsm8k: 1.0}``; the toy default must not be added."""
+    from apps.grpo.config import GRPOConfig
+
+    cfg = load_config(GRPOConfig, "configs/qwen3_1_7b.yaml", ["model.path=/m", "data.path=/d.jsonl"])
+    assert cfg.reward.fns == {"gsm8k": 1.0}
+
+
+def test_an_override_of_a_dict_field_replaces_it_and_a_dotted_one_sets_one_entry(tmp_path):
+    from apps.grpo.config import GRPOConfig
+
+    path = _yaml(tmp_path, "model: {path: /m}\nreward: {fns: {gsm8k: 1.0}}\n")
+    assert load_config(GRPOConfig, path, ["reward.fns={toy: 0.5}"]).reward.fns == {"toy": 0.5}
+    assert load_config(GRPOConfig, path, ["reward.fns.toy=0.5"]).reward.fns == {"gsm8k": 1.0, "toy": 0.5}
+    assert load_config(GRPOConfig, path, ["logging.sinks=[jsonl]"]).logging.sinks == ["jsonl"]
+
+
+def test_a_replaced_dict_is_still_checked_against_its_value_type(tmp_path):
+    from apps.grpo.config import GRPOConfig
+
+    with pytest.raises(ConfigError, match="reward.fns.toy"):
+        load_config(GRPOConfig, _yaml(tmp_path, "model: {path: /m}\nreward: {fns: {toy: high}}\n"))
+
+
+def test_config_changes_lists_only_what_differs_from_the_defaults(tmp_path):
+    from apps.grpo.config import GRPOConfig
+    from forge.config import config_changes
+
+    path = _yaml(tmp_path, "model: {path: /m}\nreward: {fns: {gsm8k: 1.0}}\ntrainer: {lr: 0.5}\n")
+    changes = config_changes(load_config(GRPOConfig, path, ["steps=7"]))
+    assert changes == {"steps": 7, "model": {"path": "/m"}, "reward": {"fns": {"gsm8k": 1.0}}, "trainer": {"lr": 0.5}}
+
+
+def test_the_app_writes_the_resolved_config_and_prints_the_changes(tmp_path):
+    import io
+
+    from apps.grpo.config import GRPOConfig
+    from apps.grpo.main import record_config
+
+    out = tmp_path / "run"
+    cfg = load_config(GRPOConfig, None, ["model.path=/m", f"logging.output_dir={out}", "reward.fns={gsm8k: 1.0}"])
+    terminal = io.StringIO()
+    path = record_config(cfg, terminal)
+    assert path == out / "config.yaml"
+    written = yaml.safe_load(path.read_text())
+    assert written["reward"]["fns"] == {"gsm8k": 1.0} and written["steps"] == cfg.steps
+    assert "gsm8k: 1.0" in terminal.getvalue() and "lr:" not in terminal.getvalue()
+
+
+@pytest.mark.parametrize("key,kind", _grpo_container_fields(), ids=[k for k, _ in _grpo_container_fields()])
+def test_a_dict_or_list_field_from_an_override_replaces_the_files_value(tmp_path, key, kind):
+    """Each section: ``key=<value>`` on the command line replaces what the YAML file set."""
+    from apps.grpo.config import GRPOConfig
+
+    in_file = _replacement_for(key, kind)
+    section, leaf = key.rsplit(".", 1)
+    path = _yaml(tmp_path, yaml.safe_dump({"model": {"path": "/m"}, section: {leaf: in_file}}))
+    on_line = ["jsonl", "console"] if key == "logging.sinks" else (["other"] if kind is list else {"other_key": "7"})
+    cfg = load_config(GRPOConfig, path, [f"{key}={yaml.safe_dump(on_line, default_flow_style=True).strip()}"])
+    got = getattr(getattr(cfg, section), leaf)
+    assert got == ({"other_key": 7.0} if key == "reward.fns" else on_line)
