@@ -18,6 +18,17 @@ It starts the roles exactly as ``apps/grpo/main.py`` does, then measures, one af
   ``sync_weights``: fetch from the trainer, load into every replica) / bytes/s of an
   in-process copy of the same state dict into preallocated tensors (goal >= 0.5). Both transports
   (``message`` and ``file``) are measured; the figure is the configured one's.
+- ``weight_sync_vs_vllm_reload``: the same sync's bytes/s / bytes/s of vLLM's own in-place
+  reload (``reload_weights`` through the worker extension) of the same weights, already in the
+  bare engine's process (goal >= 0.8): vLLM's reload is the floor on CPU, where it repacks
+  every tensor, so this says what the sync adds on top of it. Reloads alternate with syncs.
+
+The medium model (15.8 M parameters, 63 MB in float32: 512 wide, 6 layers, head_dim 64) is the
+one to read the weight-sync figures on (a KV cache of 128 MiB holds its batch in one wave)::
+
+    python benchmarks/grpo_step.py --steps 3 --rounds 5 --out grpo_step_medium.json \\
+        model.path=models/medium model.tiny.hidden_size=512 model.tiny.num_layers=6 \\
+        prompts_per_step=16 policy.max_tokens=32 policy.kv_cache_bytes=134217728
 
 Prints a table and writes everything as JSON with ``--out``.
 """
@@ -31,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from apps.grpo.roles import Roles, prepare_model, start_roles, stop_roles  # noqa: E402
 from apps.grpo.training import sync_weights  # noqa: E402
+from forge.distributed import call_spmd  # noqa: E402
 
 PHASES = ("generation", "reward", "reference", "training", "weight_sync")
 
@@ -87,7 +100,7 @@ async def measure_steps(cfg: Any, roles: Roles, steps: int) -> dict[str, Any]:
                     )
                 )
         t3 = time.perf_counter()
-        await roles.trainer.train_step.call_one(EpisodeBatch.pack(episodes))
+        await call_spmd(roles.trainer.train_step, EpisodeBatch.pack(episodes))
         t4 = time.perf_counter()
         await sync_weights(cfg, roles)
         t5 = time.perf_counter()
@@ -106,11 +119,16 @@ async def measure_steps(cfg: Any, roles: Roles, steps: int) -> dict[str, Any]:
     }
 
 
-async def measure_weight_sync(cfg: Any, roles: Roles, repeats: int) -> dict[str, Any]:
-    """bytes/s of ``sync_weights`` (each transport) and of an in-process copy."""
+async def measure_weight_sync(
+    cfg: Any, roles: Roles, repeats: int, bare_reload: Callable[[], Awaitable[float]] | None = None
+) -> dict[str, Any]:
+    """bytes/s of ``sync_weights`` (each transport), of an in-process copy and, with
+    ``bare_reload`` (seconds of one in-place vLLM reload of the same weights in a bare engine's
+    process), of vLLM's own reload; the reloads alternate with the syncs, so load drift on
+    shared cores hits both alike."""
     import torch
 
-    state_dict, _ = await roles.trainer.weights.call_one()
+    state_dict, _ = await call_spmd(roles.trainer.weights)
     nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
     # The baseline is a plain memory copy of the same tensors into buffers allocated once
     # (``copy_``); ``clone()`` (which also allocates, so pays page faults) is reported beside it.
@@ -132,6 +150,9 @@ async def measure_weight_sync(cfg: Any, roles: Roles, repeats: int) -> dict[str,
         "clone_bytes_per_s": nbytes / statistics.median(clone_s),
     }
     configured = cfg.weight_sync.transport
+    reload_s: list[float] = []
+    if bare_reload is not None:
+        await bare_reload()  # warm-up
     for transport in ("message", "file"):
         cfg.weight_sync.transport = transport
         await sync_weights(cfg, roles)  # warm-up
@@ -142,6 +163,8 @@ async def measure_weight_sync(cfg: Any, roles: Roles, repeats: int) -> dict[str,
             await sync_weights(cfg, roles)
             times.append(time.perf_counter() - t0)
             loads.append((await roles.policy.engine_stats.fanout())[0]["update_s"] - before)
+            if bare_reload is not None:
+                reload_s.append(await bare_reload())
         bps = nbytes / statistics.median(times)
         out[f"sync_{transport}_s"] = statistics.median(times)
         out[f"sync_{transport}_bytes_per_s"] = bps
@@ -150,23 +173,55 @@ async def measure_weight_sync(cfg: Any, roles: Roles, repeats: int) -> dict[str,
         out[f"sync_{transport}_policy_update_s"] = statistics.median(loads)
     cfg.weight_sync.transport = configured
     out["weight_sync_vs_memcpy"] = out[f"weight_sync_vs_memcpy_{configured}"]
+    if reload_s:
+        # The floor: vLLM reloading tensors already in its process. A ratio of 1 would mean the
+        # sync (fetch from the trainer, carry, load into every replica) costs no more than that.
+        reload_bps = nbytes / statistics.median(reload_s)
+        out["vllm_reload_s"] = statistics.median(reload_s)
+        out["vllm_reload_bytes_per_s"] = reload_bps
+        for transport in ("message", "file"):
+            out[f"weight_sync_vs_vllm_reload_{transport}"] = out[f"sync_{transport}_bytes_per_s"] / reload_bps
+        out["weight_sync_vs_vllm_reload"] = out[f"weight_sync_vs_vllm_reload_{configured}"]
     return out
 
 
 def _bare_engine_process(
     conn: Any, model_path: str, engine_args: dict[str, Any], texts: list[str], sample: dict[str, Any]
 ) -> None:
-    """A plain process (no Monarch) with a bare ``VllmEngine``: one generate per request."""
+    """A plain process (no Monarch) with a bare ``VllmEngine``, obeying the parent's commands.
+
+    ``"go"``: one generate of ``texts``, answered with (tokens, seconds). ``("weights", sd)``:
+    keep ``sd`` (validated once, as the policy does before every load). ``"reload"``: load the
+    kept weights in place with vLLM's own ``reload_weights`` (the extension's RPC), answered with
+    its seconds: the floor of any weight sync, since the tensors are already in this process.
+    Anything else stops it.
+    """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from forge.generation import VllmEngine
+    from forge.generation.vllm_engine import checked_weights
+    from forge.generation.weight_sync import checkpoint_spec, checkpoint_ties_embeddings
 
     engine = VllmEngine.create(model_path, use_tqdm_on_load=False, **engine_args)
+    spec = checkpoint_spec(model_path)
+    tied = checkpoint_ties_embeddings(engine.llm.llm_engine.model_config)
+    weights: dict[str, Any] = {}
     conn.send("ready")
-    while conn.recv() == "go":
-        t0 = time.perf_counter()
-        out = engine.generate(texts, **sample)
-        conn.send((sum(int(c.token_ids.numel()) for g in out for c in g), time.perf_counter() - t0))
+    while True:
+        command = conn.recv()
+        if command == "go":
+            t0 = time.perf_counter()
+            out = engine.generate(texts, **sample)
+            conn.send((sum(int(c.token_ids.numel()) for g in out for c in g), time.perf_counter() - t0))
+        elif isinstance(command, tuple) and command[0] == "weights":
+            weights = checked_weights(command[1], 1, spec, tied)
+            conn.send(len(weights))
+        elif command == "reload":
+            t0 = time.perf_counter()
+            engine.llm.collective_rpc("forge_load_state_dict", args=(weights,))
+            conn.send(time.perf_counter() - t0)
+        else:
+            break
     engine.shutdown()
 
 
@@ -212,8 +267,6 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
             service_rates.append(_tokens(groups) / seconds)
             n, seconds = await bare_round()
             bare_rates.append(n / seconds)
-        conn.send("stop")
-        bare.join(timeout=30)
         result: dict[str, Any] = {
             "config": {
                 "prompts_per_step": cfg.prompts_per_step,
@@ -227,7 +280,17 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
         result["bare_vllm_tokens_per_s"] = statistics.median(bare_rates)
         result["rollout_vs_bare_vllm_tokens_per_s"] = result["rollout_tokens_per_s"] / result["bare_vllm_tokens_per_s"]
         result.update(await measure_steps(cfg, roles, steps))
-        result.update(await measure_weight_sync(cfg, roles, repeats=max(steps, 5)))
+        # The bare engine gets the trainer's weights once, as tensors in its own process.
+        conn.send(("weights", (await call_spmd(roles.trainer.weights))[0]))
+        await loop.run_in_executor(None, conn.recv)
+
+        async def bare_reload() -> float:
+            conn.send("reload")
+            return await loop.run_in_executor(None, conn.recv)
+
+        result.update(await measure_weight_sync(cfg, roles, repeats=max(steps, 5), bare_reload=bare_reload))
+        conn.send("stop")
+        bare.join(timeout=30)
     finally:
         if bare is not None and bare.is_alive():
             bare.kill()
@@ -265,6 +328,16 @@ def print_table(result: dict[str, Any]) -> None:
             f"{result['sync_message_policy_update_s'] * 1e3:.1f} ms (message)",
         ),
         ("weight_sync_vs_memcpy", f"{result['weight_sync_vs_memcpy']:.3f}  (goal >= 0.5)"),
+        (
+            "vLLM in-place reload (bare engine)",
+            f"{result['vllm_reload_bytes_per_s'] / 1e9:.3f} GB/s ({result['vllm_reload_s'] * 1e3:.1f} ms)",
+        ),
+        (
+            "weight_sync_vs_vllm_reload",
+            f"{result['weight_sync_vs_vllm_reload']:.3f}  (goal >= 0.8; file "
+            f"{result['weight_sync_vs_vllm_reload_file']:.3f}, "
+            f"message {result['weight_sync_vs_vllm_reload_message']:.3f})",
+        ),
     ]
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
@@ -290,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     from forge.config import load_config
 
     cfg = load_config(GRPOConfig, args.config, args.overrides)
+    load_before = os.getloadavg()[0]  # other tenants of shared cores move every figure: record it
     result = asyncio.run(run(cfg, args.steps, args.rounds))
+    result["load_avg_1m_before"], result["load_avg_1m_after"] = load_before, os.getloadavg()[0]
     print_table(result)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -6,17 +6,27 @@
 
 What is compared, and what is held equal:
 
-- **Two workloads**, each a batched async endpoint (list in, list out) that holds the CPU like a
+- **Three workloads**, each a batched async endpoint (list in, list out) that holds the CPU like a
   forward pass: ``busy`` costs a fixed 3 ms per call plus 50 us per item (a busy-wait, so that
   batches cannot overlap for free), ``transformer`` is a 2-layer ``nn.TransformerEncoder``
   (d_model 128) over token lists of 8-48 tokens, padded per batch, one torch thread.
+  ``multiplex`` serves ``MUX_MODELS`` busy models (each its own offset, so a wrong model is
+  caught) with requests spread over them by a Zipf law, where a replica holds at most
+  ``MUX_MAX_MODELS`` and a load holds the CPU ``MUX_LOAD_S``: Ray's
+  ``@serve.multiplexed(max_num_models_per_replica=M)`` under ``@serve.batch`` against forge's
+  ``@model_loader`` and ``multiplexed=True`` endpoint (``options(max_models=M)``, routed
+  ``model_aware``). Its cells add the mean batch size per model (averaged over the models) and
+  model loads per 1,000 requests, tallied by the client from what each result carries, the same
+  way for both; under ``workloads.multiplex`` the JSON adds ``forge_vs_ray_serve_batch_fill``.
 - **The same batching**: at most ``MAX_BATCH`` items, ``MAX_WAIT_S`` timed from a batch's first
   item, one batch at a time per replica; ``@serve.batch(max_batch_size, batch_wait_timeout_s)``
   for Ray, ``@endpoint(batch=Batching(max_size, max_wait_s))`` for forge.
 - **The same replicas and routing algorithm**: ``REPLICAS`` replicas, each its own process;
   both route by power of two choices on in-flight requests (Ray's default router; forge's
-  ``least_loaded``). Ray's ``max_ongoing_requests`` is raised to ``MAX_ONGOING`` so that it does
-  not cap batches (its default 5 would; forge has no admission limit by default).
+  ``least_loaded``); for ``multiplex`` each system's model-aware router (Ray's prefers replicas
+  holding the model, then power of two choices; forge's ``model_aware``). Ray's
+  ``max_ongoing_requests`` is raised to ``MAX_ONGOING`` so that it does not cap batches (its
+  default 5 would; forge has no admission limit by default).
 - **The same load**: a closed loop of N clients in this process, each sending one request,
   awaiting its result, then sending the next, through Ray's ``DeploymentHandle`` (no HTTP) or
   forge's ``svc.infer.route``. Each cell is a warm-up then a timed window; the systems take
@@ -26,7 +36,7 @@ What is compared, and what is held equal:
 Ray runs locally (``ray.init(num_cpus=2)``, no dashboard, bound to 127.0.0.1, no HTTP proxy).
 ``forge_vs_ray_serve_throughput`` is forge's throughput / Ray's at the concurrency where Ray's
 throughput is highest (for the ``busy`` workload; per workload under ``workloads``), and
-``forge_p99_vs_ray_p99`` the p99 latency ratio there. Takes about 4 minutes on 2 cores.
+``forge_p99_vs_ray_p99`` the p99 latency ratio there. Takes about 6 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import forge.controller  # before monarch (and ray, which must not see monarch first either)
-from forge.controller import Batching, ForgeActor, endpoint
+from forge.controller import Batching, ForgeActor, endpoint, model_loader
 
 MAX_BATCH = 32  # most items in one batch
 MAX_WAIT_S = 0.005  # longest a batch's first item waits for company
@@ -127,7 +137,92 @@ class TransformerModel:
         return isinstance(result, float)
 
 
-WORKLOADS: dict[str, type] = {"busy": BusyModel, "transformer": TransformerModel}
+MUX_MODELS = 8  # multiplex workload: K distinct models, requests spread over them by a Zipf law...
+MUX_MAX_MODELS = 2  # ...of which one replica holds at most M (REPLICAS x M < K: models must be swapped)
+MUX_ZIPF = 1.1  # popularity exponent: model k gets a share proportional to 1 / (k + 1) ** MUX_ZIPF
+MUX_LOAD_S = 0.02  # CPU held by one model load (busy-wait, like deserialising a small checkpoint)
+
+
+class MultiplexedModels:
+    """The multiplex workload's replica-side code, identical for both servers.
+
+    Model ``m<k>`` is the busy model with offset ``k``: it serves ``x`` as ``x + k``, so a request
+    served by the wrong model is caught. Each result also carries what the client tallies in
+    its timed window, the same way for both systems: the size of the batch that served it, the
+    replica's pid and how many models that replica has loaded so far.
+    """
+
+    def __init__(self) -> None:
+        self.loads = 0
+        self.pid = os.getpid()
+
+    def load(self, model_id: str) -> int:
+        busy(MUX_LOAD_S)
+        self.loads += 1
+        return int(model_id[1:])  # the "model": its offset
+
+    def __call__(self, offset: int, items: list[int]) -> list[tuple[int, int, int, int]]:
+        busy(FIXED_COST_S + PER_ITEM_COST_S * len(items))
+        return [(x + offset, len(items), self.pid, self.loads) for x in items]
+
+
+class MultiplexWorkload:
+    """Requests ``(model_id, x)``, model ids drawn by the Zipf law over ``MUX_MODELS`` models."""
+
+    WEIGHTS = [1.0 / (k + 1) ** MUX_ZIPF for k in range(MUX_MODELS)]
+
+    @staticmethod
+    def make_item(rng: random.Random) -> tuple[str, int]:
+        k = rng.choices(range(MUX_MODELS), MultiplexWorkload.WEIGHTS)[0]
+        return f"m{k}", rng.randrange(1_000_000)
+
+    @staticmethod
+    def check(item: tuple[str, int], result: Any) -> bool:
+        return result[0] == item[1] + int(item[0][1:])
+
+
+class MultiplexTally:
+    """What the multiplex workload reports beyond throughput, from the results in the window.
+
+    A request served in a batch of ``b`` is ``1/b`` of that batch, so a model's batches are the
+    sum of ``1/b`` over its requests and its mean batch size is requests / batches. Model loads
+    are each replica's load counter at the window's end minus its value before the window.
+    """
+
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+        self.batches: dict[str, float] = {}
+        self.loads_before: dict[int, int] = {}
+        self.loads_last: dict[int, int] = {}
+
+    def add(self, item: tuple[str, int], result: tuple[int, int, int, int], in_window: bool) -> None:
+        _, batch_size, pid, loads = result
+        if not in_window:
+            self.loads_before[pid] = max(self.loads_before.get(pid, 0), loads)
+            return
+        model_id = item[0]
+        self.requests[model_id] = self.requests.get(model_id, 0) + 1
+        self.batches[model_id] = self.batches.get(model_id, 0.0) + 1.0 / batch_size
+        self.loads_last[pid] = max(self.loads_last.get(pid, 0), loads)
+
+    def summary(self) -> dict[str, Any]:
+        requests = sum(self.requests.values())
+        per_model = {
+            m: self.requests[m] / self.batches[m]
+            for m in sorted(self.requests, key=lambda m: int(m[1:]))  # m0 is the most popular
+        }
+        loads = sum(last - self.loads_before.get(pid, last) for pid, last in self.loads_last.items())
+        return {
+            "mean_batch_size_per_model": per_model,
+            # The headline fill: each model's mean batch size, averaged over the models served.
+            "mean_batch_fill_per_model": statistics.fmean(per_model.values()) if per_model else 0.0,
+            "mean_batch_size": requests / sum(self.batches.values()) if requests else 0.0,
+            "model_loads": loads,
+            "model_loads_per_1k": 1000 * loads / requests if requests else 0.0,
+        }
+
+
+WORKLOADS: dict[str, type] = {"busy": BusyModel, "transformer": TransformerModel, "multiplex": MultiplexWorkload}
 
 
 # --------------------------------------------------------------------------- the two servers
@@ -140,7 +235,29 @@ class ForgeModel(ForgeActor):
         return self.model(items)
 
 
+class ForgeMultiplexed(ForgeActor):
+    """The multiplex workload on forge: ``@model_loader`` and a multiplexed batched endpoint."""
+
+    def __init__(self) -> None:
+        self.models = MultiplexedModels()
+
+    @model_loader  # the capacity is the service's options(max_models=MUX_MAX_MODELS)
+    async def load_model(self, model_id: str) -> int:
+        return self.models.load(model_id)
+
+    @endpoint(batch=Batching(max_size=MAX_BATCH, max_wait_s=MAX_WAIT_S), multiplexed=True)
+    async def infer(self, model: int, items: list[int]) -> list[tuple[int, int, int, int]]:
+        return self.models(model, items)
+
+
 async def start_forge(workload: str) -> tuple[Callable[[Any], Awaitable[Any]], Callable[[], Awaitable[None]]]:
+    if workload == "multiplex":  # model_aware routing: the default of multiplexed endpoints
+        mux = await ForgeMultiplexed.options(num_replicas=REPLICAS, max_models=MUX_MAX_MODELS).as_service()
+
+        async def call(item: tuple[str, int]) -> Any:
+            return await mux.infer.route(item[1], model_id=item[0])
+
+        return call, mux.shutdown
     svc = await ForgeModel.options(num_replicas=REPLICAS, router="least_loaded").as_service(workload)
     return svc.infer.route, svc.shutdown
 
@@ -163,8 +280,48 @@ def start_ray_cluster() -> None:
     serve.start(proxy_location="Disabled", logging_config={"log_level": "ERROR"})
 
 
+async def start_ray_multiplexed() -> tuple[Callable[[Any], Awaitable[Any]], Callable[[], Awaitable[None]]]:
+    """The multiplex workload on Ray Serve: ``@serve.multiplexed`` loads, ``@serve.batch`` batches
+    (Ray splits a batch by model id, and ``get_multiplexed_model_id()`` names the batch's model)."""
+    from ray import serve
+
+    @serve.deployment(
+        num_replicas=REPLICAS,
+        max_ongoing_requests=MAX_ONGOING,
+        ray_actor_options={"num_cpus": 2 / REPLICAS},
+        logging_config={"log_level": "ERROR", "enable_access_log": False},
+    )
+    class RayMultiplexed:
+        def __init__(self) -> None:
+            self.models = MultiplexedModels()
+
+        @serve.multiplexed(max_num_models_per_replica=MUX_MAX_MODELS)
+        async def get_model(self, model_id: str) -> int:
+            return self.models.load(model_id)
+
+        @serve.batch(max_batch_size=MAX_BATCH, batch_wait_timeout_s=MAX_WAIT_S)
+        async def __call__(self, items: list[int]) -> list[tuple[int, int, int, int]]:
+            model = await self.get_model(serve.get_multiplexed_model_id())
+            return self.models(model, items)
+
+    app_name = "vs-forge-multiplex"
+    handle = serve.run(RayMultiplexed.bind(), name=app_name, route_prefix=None)
+    handles = {f"m{k}": handle.options(multiplexed_model_id=f"m{k}") for k in range(MUX_MODELS)}  # made once
+
+    async def call(item: tuple[str, int]) -> Any:
+        return await handles[item[0]].remote(item[1])
+
+    async def stop() -> None:
+        serve.delete(app_name)
+
+    return call, stop
+
+
 async def start_ray(workload: str) -> tuple[Callable[[Any], Awaitable[Any]], Callable[[], Awaitable[None]]]:
     from ray import serve
+
+    if workload == "multiplex":
+        return await start_ray_multiplexed()
 
     @serve.deployment(
         num_replicas=REPLICAS,
@@ -200,11 +357,13 @@ async def closed_loop(
     warmup_s: float,
     duration_s: float,
     seed: int = 0,
-) -> dict[str, float]:
+    tally: MultiplexTally | None = None,
+) -> dict[str, Any]:
     """``concurrency`` clients, each: send one request, await it, send the next.
 
     Counts requests that finish inside the timed window (after ``warmup_s``, ``duration_s``
-    long); latency is measured per request from send to result.
+    long); latency is measured per request from send to result. ``tally`` sees every result
+    that finished before the window's end, and whether it finished inside the window.
     """
     latencies: list[float] = []
     wrong = 0
@@ -223,8 +382,11 @@ async def closed_loop(
             t1 = time.perf_counter()
             if not workload.check(item, result):
                 wrong += 1
-            if window_start <= t1 <= window_end:
+            in_window = window_start <= t1 <= window_end
+            if in_window:
                 latencies.append(t1 - t0)
+            if tally is not None and t1 <= window_end:  # before the window, or in it
+                tally.add(item, result, in_window)
 
     await asyncio.gather(*(client(c) for c in range(concurrency)))
     if wrong:
@@ -237,6 +399,7 @@ async def closed_loop(
         "p50_ms": 1e3 * statistics.median(latencies),
         "p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         "mean_ms": 1e3 * statistics.fmean(latencies),
+        **(tally.summary() if tally is not None else {}),
     }
 
 
@@ -258,11 +421,18 @@ async def run_workload(
             for i, c in enumerate(levels):
                 order = list(systems) if (i + r) % 2 == 0 else list(reversed(systems))
                 for system in order:
-                    cell = await closed_loop(systems[system], workload, c, warmup_s, duration_s, seed=r)
+                    tally = MultiplexTally() if workload is MultiplexWorkload else None
+                    cell = await closed_loop(systems[system], workload, c, warmup_s, duration_s, seed=r, tally=tally)
                     cell["load_avg_1m"] = os.getloadavg()[0]
+                    extra = (
+                        f"  batch/model {cell['mean_batch_fill_per_model']:5.1f}  "
+                        f"loads/1k {cell['model_loads_per_1k']:5.1f}"
+                        if tally is not None
+                        else ""
+                    )
                     print(
                         f"  {name:11s} round {r} c={c:<4d} {system:9s} {cell['throughput_rps']:8.0f} req/s  "
-                        f"p50 {cell['p50_ms']:7.1f} ms  p99 {cell['p99_ms']:7.1f} ms",
+                        f"p50 {cell['p50_ms']:7.1f} ms  p99 {cell['p99_ms']:7.1f} ms{extra}",
                         flush=True,
                     )
                     if c not in best[system] or cell["throughput_rps"] > best[system][c]["throughput_rps"]:
@@ -282,20 +452,29 @@ async def run_workload(
     result["throughput_ratio_by_concurrency"] = {
         str(c): best["forge"][c]["throughput_rps"] / best["ray_serve"][c]["throughput_rps"] for c in levels
     }
+    if workload is MultiplexWorkload:
+        result["forge_vs_ray_serve_batch_fill"] = (
+            forge_there["mean_batch_fill_per_model"] / ray_best["mean_batch_fill_per_model"]
+        )
     return result
 
 
 def machine() -> dict[str, Any]:
+    import importlib.metadata
+
     import psutil
-    import ray
     import torch
 
+    try:  # a forge-only run (--systems forge) may run without Ray installed
+        ray_version = importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:
+        ray_version = None
     return {
         "cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "ray": ray.__version__,
+        "ray": ray_version,
         "load_avg_1m_before": os.getloadavg()[0],
     }
 
@@ -316,6 +495,21 @@ def print_table(results: dict[str, Any]) -> None:
             )
     print(f"\nforge_vs_ray_serve_throughput  {results['forge_vs_ray_serve_throughput']:.2f}  (goal >= 2)")
     print(f"forge_p99_vs_ray_p99           {results['forge_p99_vs_ray_p99']:.2f}  (goal <= 1)")
+    mux = results["workloads"].get("multiplex")
+    if mux is not None:
+        print(
+            f"\nmultiplex: {MUX_MODELS} models, Zipf {MUX_ZIPF}, at most {MUX_MAX_MODELS} per replica "
+            f"({results['settings']['replicas']} replicas)"
+        )
+        print(f"{'conc':>5s} | {'system':9s} {'req/s':>7s} {'p99 ms':>7s} {'batch/model':>11s} {'loads/1k':>8s}")
+        for system in ("ray_serve", "forge"):
+            for cell in mux[system]:
+                print(
+                    f"{cell['concurrency']:5d} | {system:9s} {cell['throughput_rps']:7.0f} {cell['p99_ms']:7.1f} "
+                    f"{cell['mean_batch_fill_per_model']:11.2f} {cell['model_loads_per_1k']:8.2f}"
+                )
+        print(f"multiplex forge_vs_ray_serve_throughput {mux['forge_vs_ray_serve_throughput']:.2f}  (goal >= 2)")
+        print(f"multiplex forge_vs_ray_serve_batch_fill {mux['forge_vs_ray_serve_batch_fill']:.2f}  (goal >= 1.5)")
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -326,7 +520,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results["workloads"])
-    fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(names), figsize=(max(5 * len(names), 9), 7), squeeze=False)  # room for the title
     for col, name in enumerate(names):
         w = results["workloads"][name]
         for system, style in (("forge", "o-"), ("ray_serve", "s--")):
@@ -406,6 +600,12 @@ async def main() -> None:
                 "warmup_s": args.warmup,
                 "rounds": args.rounds,
                 "fixed_cost_s": FIXED_COST_S,
+                "multiplex": {
+                    "models": MUX_MODELS,
+                    "max_models_per_replica": MUX_MAX_MODELS,
+                    "zipf_exponent": MUX_ZIPF,
+                    "load_cost_s": MUX_LOAD_S,
+                },
                 "per_item_cost_s": PER_ITEM_COST_S,
             },
             "machine": info,

@@ -38,6 +38,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
+from forge.describe import describe
+
 T = TypeVar("T")
 
 __all__ = ["ConfigError", "config_changes", "config_to_dict", "config_to_yaml", "load_config"]
@@ -266,9 +268,8 @@ def _translate(e: oc_errors.OmegaConfBaseException, schema_cls: type, source: st
 
 
 def _first_line(e: BaseException) -> str:
-    """The first line of an OmegaConf error (its later lines repeat the key and types)."""
-    msg = getattr(e, "msg", None) or str(e)
-    return str(msg).splitlines()[0].strip()
+    """An OmegaConf error's own message (``str(e)`` adds lines that repeat the key and types)."""
+    return describe(getattr(e, "msg", None) or e)
 
 
 def _schema_at(schema_cls: type, dotted: str) -> Any:

@@ -57,6 +57,12 @@ class Episode:
     reward: float
     advantage: float
     policy_version: int
+    loss_mask: torch.Tensor | None = None
+    """bool [T]: the response tokens the loss trains on (a multi-turn episode's sampled tokens,
+    not the environment's); None: all of them."""
+    finish_reason: str = "stop"
+    """Why sampling ended (vLLM's): ``stop`` (EOS, a stop token or string) or ``length`` (cut at
+    ``max_tokens``; ``trainer.mask_truncated`` leaves such episodes out of the loss)."""
 
 
 def _split(flat: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
@@ -68,9 +74,9 @@ def _split(flat: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
 class EpisodeBatch:
     """Many episodes packed into flat tensors: the form in which episodes travel.
 
-    Monarch serialises every tensor of a message separately (~0.1 ms per tensor, send and
-    receive), so 128 ``Episode`` objects (512 tensors) cost ~50 ms per hop; packed, the same
-    episodes are ten tensors. ``pack``/``unpack`` convert; ``concat`` joins batches (e.g. the
+    Monarch serialises every tensor of a message separately, at a fixed cost per tensor (send
+    and receive; ``docs/benchmarks.md``), so 128 ``Episode`` objects are 512 tensors per hop;
+    packed, the same episodes are ten tensors. ``pack``/``unpack`` convert; ``concat`` joins batches (e.g. the
     groups of one training step). Per-token fields are concatenated in episode order and split
     by ``prompt_lens``/``response_lens``.
     """
@@ -85,6 +91,8 @@ class EpisodeBatch:
     rewards: torch.Tensor  # float32 [B]
     advantages: torch.Tensor  # float32 [B]
     policy_versions: torch.Tensor  # int64 [B]
+    loss_mask: torch.Tensor | None = None  # bool [sum T]; None: every response token is trained
+    finish_reasons: list[str] | None = None  # [B]; None: all "stop"
 
     def __len__(self) -> int:
         return len(self.group_ids)
@@ -109,6 +117,8 @@ class EpisodeBatch:
             rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
             advantages=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
             policy_versions=torch.tensor([e.policy_version for e in episodes], dtype=torch.long),
+            loss_mask=_joined_masks([e.loss_mask for e in episodes], [e.response_ids.numel() for e in episodes]),
+            finish_reasons=[e.finish_reason for e in episodes],
         )
 
     @classmethod
@@ -132,6 +142,8 @@ class EpisodeBatch:
                     "policy_versions",
                 )
             },
+            loss_mask=_joined_masks([b.loss_mask for b in batches], [int(b.response_lens.sum()) for b in batches]),
+            finish_reasons=[r for b in batches for r in (b.finish_reasons or ["stop"] * len(b))],
         )
 
     def unpack(self) -> list[Episode]:
@@ -139,6 +151,8 @@ class EpisodeBatch:
         responses = _split(self.response_ids, self.response_lens)
         behaviour = _split(self.behaviour_logprobs, self.response_lens)
         reference = _split(self.ref_logprobs, self.response_lens)
+        masks = _split(self.loss_mask, self.response_lens) if self.loss_mask is not None else [None] * len(self)
+        reasons = self.finish_reasons or ["stop"] * len(self)
         return [
             Episode(
                 group_id=self.group_ids[i],
@@ -149,6 +163,36 @@ class EpisodeBatch:
                 reward=float(self.rewards[i]),
                 advantage=float(self.advantages[i]),
                 policy_version=int(self.policy_versions[i]),
+                loss_mask=masks[i],
+                finish_reason=reasons[i],
             )
             for i in range(len(self))
         ]
+
+
+def _joined_masks(masks: list[torch.Tensor | None], lengths: list[int]) -> torch.Tensor | None:
+    """One flat loss mask for pieces of these lengths (all-true where a piece has none); None
+    if no piece has one, so single-turn batches carry no extra tensor."""
+    if all(m is None for m in masks):
+        return None
+    return torch.cat([m.bool() if m is not None else torch.ones(n, dtype=torch.bool) for m, n in zip(masks, lengths)])
+
+
+@dataclass
+class TurnRequest:
+    """One turn of a multi-turn trajectory: the whole token history so far, sent as ids (the
+    policy never re-tokenises it), and the session it belongs to."""
+
+    session: str
+    history_ids: torch.Tensor  # int64 [H]: the prompt, then every sampled and environment token
+
+
+@dataclass
+class TurnResult:
+    """What the policy sampled for one turn, with the behaviour logprob of every token."""
+
+    token_ids: torch.Tensor  # int64 [T]
+    logprobs: torch.Tensor  # float32 [T]
+    text: str
+    policy_version: int
+    finish_reason: str = "stop"

@@ -16,6 +16,7 @@ from omegaconf import MISSING
 
 from forge.actors.policy import PolicySettings
 from forge.actors.trainer import TrainerSettings
+from forge.controller.jobs import HostsConfig
 
 
 @dataclass(kw_only=True)
@@ -49,11 +50,21 @@ class Placement:
     """Where a role runs (see ``forge.controller.ActorOptions``)."""
 
     procs: int = 1
-    """Processes per replica."""
+    """Processes per replica (on each of its hosts)."""
     num_replicas: int = 1
     """Replicas (services only)."""
+    hosts: int = 1
+    """Hosts per replica, from the ``hosts`` section's pool: the replica's ``procs`` processes
+    run on each of them, as one SPMD mesh of ``hosts x procs`` ranks."""
     with_gpus: bool = False
-    """Give each process its own GPU."""
+    """Give each process ``gpus_per_proc`` GPUs of its own, from the visible ones that no
+    role's ``gpus`` lists."""
+    gpus: list[str] | None = None
+    """Exactly these device ids for the role (implies ``with_gpus``), split over its replicas
+    and processes. Roles may list the same ids to share GPUs, e.g. ``["0"]`` for all on one GPU."""
+    gpus_per_proc: int = 1
+    """GPUs each process sees; a vLLM policy with ``engine_kwargs.tensor_parallel_size: k``
+    needs ``k``."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the role's processes."""
 
@@ -85,6 +96,9 @@ class TrainerSection(Placement, TrainerSettings):
     """Save a full checkpoint (weights, optimizer, step, policy version, RNG, dataset position)
     under ``<logging.output_dir>/checkpoints`` every N steps and at the last step; 0 never.
     ``--resume`` continues a killed run from the newest one."""
+    export_final_model: bool = True
+    """At the end, write the trained model as a Hugging Face folder (config, safetensors,
+    tokenizer) to ``<logging.output_dir>/final_model``, for ``transformers`` and vLLM."""
 
 
 @dataclass(kw_only=True)
@@ -118,6 +132,47 @@ class WeightSyncSection:
     a safetensors file under ``dir`` (same host only) and the policy loads it."""
     dir: str = "/dev/shm/forge-weights"
     """Folder of the ``file`` transport."""
+
+
+@dataclass(kw_only=True)
+class FaultsSection:
+    """How the rollout side (the policy, reference and reward services) outlives its processes.
+
+    A replica whose process dies (or hangs: see ``health_timeout_s``) is restarted with backoff;
+    a restarted policy replica loads the current weights before it takes traffic, and the
+    groups it was generating are generated again. The trainer is not restarted: its death stops
+    the run, which continues from its last checkpoint with ``--resume``.
+    """
+
+    max_restarts: int = 3
+    """Restarts of each replica before the run gives up on its role; 0: the first death ends
+    the run."""
+    restart_backoff_s: float = 1.0
+    """Wait before a replica's first restart; doubles with each failed try."""
+    max_unhealthy_s: float = 300.0
+    """Longest a role may have no healthy replica (all of them restarting) before the run gives
+    up. Keep it above a replica's start time (a vLLM engine's start on GPUs)."""
+    health_interval_s: float = 5.0
+    """How often an idle or stalled replica is probed."""
+    health_timeout_s: float = 120.0
+    """A replica that answers no probe and finishes no request for this long (a hung process)
+    is replaced. Keep it above the longest single batch of any role."""
+
+
+@dataclass(kw_only=True)
+class EnvSection(Placement):
+    """Multi-turn rollouts: the environment service (``forge.envs``) and its limits. Leave
+    ``cls`` empty for single-turn rollouts (one completion per prompt, scored by ``reward``)."""
+
+    cls: str = ""
+    """The environment as ``package.module:Class`` (a ``forge.envs.Environment`` subclass), e.g.
+    ``forge.envs.toy:ReverseWithFeedback``; empty: single-turn."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    max_turns: int = 3
+    """Policy turns per trajectory; one that is not done by then fails (alone)."""
+    step_timeout_s: float = 30.0
+    """Longest one environment ``reset`` or ``step`` may take before its trajectory fails."""
 
 
 @dataclass(kw_only=True)
@@ -155,6 +210,12 @@ class GRPOConfig:
     data: DataSection = field(default_factory=DataSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
+    faults: FaultsSection = field(default_factory=FaultsSection)
+    hosts: HostsConfig = field(default_factory=HostsConfig)
+    """Machines beyond the controller's (a Slurm or Kubernetes job, running workers); with one,
+    the policy, reference, reward and trainer processes all run on its hosts."""
+    env: EnvSection = field(default_factory=EnvSection)
+    """The environment of multi-turn rollouts; none (single-turn) unless ``env.cls`` is set."""
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def __post_init__(self) -> None:
@@ -162,6 +223,15 @@ class GRPOConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        episodes = self.prompts_per_step * self.group_size
+        ranks = self.trainer.procs * max(1, self.trainer.hosts)  # hosts x procs ranks train together
+        if self.trainer.procs < 1 or episodes % ranks:
+            what = "trainer.procs" if self.trainer.hosts == 1 else "trainer.hosts x trainer.procs"
+            raise ValueError(
+                f"{what} ({ranks}) must divide prompts_per_step x group_size "
+                f"({self.prompts_per_step} x {self.group_size} = {episodes}): each trainer rank trains on an equal "
+                "share of the step's episodes"
+            )
         if self.trainer.checkpoint_every < 0:
             raise ValueError(
                 f"trainer.checkpoint_every must be >= 0 (0 disables checkpoints), got {self.trainer.checkpoint_every}"
@@ -189,8 +259,94 @@ class GRPOConfig:
             raise ValueError(
                 "logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source"
             )
+        self._check_env()
         if not self.reward.fns:
             raise ValueError("reward.fns needs at least one reward function")
+        self._check_placement()
+        if self.faults.max_restarts < 0:
+            raise ValueError(f"faults.max_restarts must be >= 0 (0: no restarts), got {self.faults.max_restarts}")
+        for name in ("restart_backoff_s", "max_unhealthy_s", "health_interval_s", "health_timeout_s"):
+            value = getattr(self.faults, name)
+            if not value > 0:
+                raise ValueError(f"faults.{name} must be a number of seconds > 0, got {value}")
+        if self.faults.health_timeout_s < self.faults.health_interval_s:
+            raise ValueError(
+                f"faults.health_timeout_s ({self.faults.health_timeout_s}) must be >= faults.health_interval_s "
+                f"({self.faults.health_interval_s}): a replica is probed every interval and failed after the timeout"
+            )
+
+    def _check_env(self) -> None:
+        env = self.env
+        if env.cls and (env.cls.count(":") != 1 or not all(env.cls.split(":"))):
+            raise ValueError(f"env.cls must name an environment as 'package.module:Class', got {env.cls!r}")
+        if env.max_turns < 1:
+            raise ValueError(f"env.max_turns must be >= 1, got {env.max_turns}")
+        if not env.step_timeout_s > 0:
+            raise ValueError(f"env.step_timeout_s must be a number of seconds > 0, got {env.step_timeout_s}")
+
+    def _check_placement(self) -> None:
+        """Hosts and GPUs of each role: sizes, and vLLM's tensor parallelism inside one process."""
+        for role in ("policy", "reference", "reward", "trainer"):
+            section = getattr(self, role)
+            for name in ("procs", "num_replicas", "hosts", "gpus_per_proc"):
+                value = getattr(section, name)
+                if value < 1:
+                    raise ValueError(f"{role}.{name} must be >= 1, got {value}")
+            if section.hosts > 1 and self.hosts.job == "none":
+                raise ValueError(
+                    f"{role}.hosts ({section.hosts}) places a replica on several hosts, which needs a hosts "
+                    "section (hosts.job: slurm, kubernetes, process or attach)"
+                )
+            if section.hosts > self.hosts.num_hosts and self.hosts.job not in ("none", "attach"):
+                raise ValueError(
+                    f"{role}.hosts ({section.hosts}) is more than hosts.num_hosts ({self.hosts.num_hosts})"
+                )
+        tp = int(self.policy.engine_kwargs.get("tensor_parallel_size", 1))
+        uses_gpus = self.policy.with_gpus or self.policy.gpus is not None
+        if uses_gpus and tp != self.policy.gpus_per_proc:
+            raise ValueError(
+                f"policy.engine_kwargs.tensor_parallel_size ({tp}) must equal policy.gpus_per_proc "
+                f"({self.policy.gpus_per_proc}): vLLM runs its tensor-parallel workers on the GPUs of its process"
+            )
+        self._check_numerics()
+
+    def _check_numerics(self) -> None:
+        """The loss's corrections, chunking and stops, and the reference's token budget."""
+        from forge.actors.reference_model import TOKEN_BUDGET
+
+        t = self.trainer
+        if t.dual_clip is not None and not t.dual_clip > 1:
+            raise ValueError(f"trainer.dual_clip must be > 1 (or null to disable it), got {t.dual_clip}")
+        if t.tis_cap is not None and not t.tis_cap > 0:
+            raise ValueError(f"trainer.tis_cap must be > 0 (or null to disable it), got {t.tis_cap}")
+        if t.logprob_chunk_tokens < 1:
+            raise ValueError(f"trainer.logprob_chunk_tokens must be >= 1, got {t.logprob_chunk_tokens}")
+        bad = [i for i in self.policy.stop_token_ids if i < 0]
+        if bad:
+            raise ValueError(f"policy.stop_token_ids must be token ids >= 0, got {bad[0]}")
+        if self.policy.max_model_len > TOKEN_BUDGET:
+            raise ValueError(
+                f"policy.max_model_len ({self.policy.max_model_len}) exceeds the reference model's batch budget "
+                f"of {TOKEN_BUDGET} tokens (forge.actors.reference_model.TOKEN_BUDGET): a longest sequence "
+                "could never be scored"
+            )
+
+    def check_weight_sync_space(self, model_dir: str | Path) -> None:
+        """With the file transport, fail now unless ``weight_sync.dir`` has room for what the trainer
+        will keep there: three copies of the model's weights in ``trainer.publish_dtype`` (a 64 MB
+        container ``/dev/shm`` against ~11 GB for Qwen3-1.7B in bf16). A no-op for ``message``."""
+        if self.weight_sync.transport != "file":
+            return
+        import torch
+        from transformers import AutoConfig
+
+        from forge.generation.weight_sync import check_file_transport_space, checkpoint_spec, file_transport_bytes
+
+        config = AutoConfig.from_pretrained(model_dir)
+        tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+        dtype = getattr(torch, self.trainer.publish_dtype or self.trainer.dtype)
+        needed = file_transport_bytes(checkpoint_spec(model_dir), dtype, tied=tied)
+        check_file_transport_space(self.weight_sync.dir, needed)
 
     @property
     def checkpoint_dir(self) -> str:

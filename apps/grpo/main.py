@@ -4,7 +4,8 @@ Run (the tiny model is made on the fly if missing; about 2 minutes on a 2-core C
 
     python -m apps.grpo.main --config configs/grpo_tiny.yaml
     python -m apps.grpo.main --config configs/grpo_tiny.yaml trainer.lr=3e-4 group_size=8
-    python -m apps.grpo.main --config configs/qwen3_1_7b.yaml model.path=/path/to/Qwen3-1.7B
+    python -m apps.grpo.main --config configs/qwen3_1_7b.yaml model.path=/path/to/Qwen3-1.7B \\
+        data.path=/path/to/gsm8k/train.jsonl
 
 The loop, top to bottom:
 
@@ -25,9 +26,20 @@ per token; a group is trained on once; rollouts pause (backpressure) when
 
 Outputs in ``logging.output_dir``: ``config.yaml`` (the resolved config the run used; the
 settings that differ from the defaults are also printed at start-up), ``metrics.jsonl`` (one
-line per step), ``reward_loss.png``
-and TensorBoard events when ``tensorboard`` is installed. Any role's failure, or Ctrl-C, stops
-every role and exits non-zero with a message naming the role.
+line per step, with each service's restarts and where every group went), ``reward_loss.png``
+and TensorBoard events when ``tensorboard`` is installed.
+
+Faults (``faults`` in the config, see ``faults.py``): a policy, reference or reward replica whose
+process dies or hangs is restarted with backoff (a policy replica loads the current weights
+first) and the groups it was generating are generated again; the run goes on with the same
+step numbers. It gives up on a role that has no healthy replica for ``faults.max_unhealthy_s``
+or used up ``faults.max_restarts``. The trainer's death, any other role's failure, or Ctrl-C
+stops every role and exits non-zero with a message naming the role (for the trainer: how to
+``--resume``).
+
+Multi-turn (``env.cls`` set, e.g. ``configs/multiturn_tiny.yaml``): each group is
+``group_size`` trajectories against an environment service instead of completions scored by
+``reward``; see ``multiturn.py``.
 
 The pieces: ``roles.py`` starts and stops the roles, ``rollouts.py`` runs the rollout workers,
 ``training.py`` the step loop, weight sync and checkpoints, ``run_log.py`` the per-step
@@ -43,19 +55,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import forge.controller  # noqa: F401  (before anything imports monarch)
+from apps.grpo.faults import RoleWatch, resume_hint
+from apps.grpo.multiturn import MultiTurnRollouts
 from apps.grpo.roles import RoleFailed, Roles, prepare_model, start_roles, stop_roles
 from apps.grpo.rollouts import Rollouts
 from apps.grpo.run_log import RunLog
-from apps.grpo.training import checkpoint_to_resume, resume, train
+from apps.grpo.training import checkpoint_to_resume, resume, resync_policy, train
 from forge.controller import ForgeError, quiet_monarch
+
+if TYPE_CHECKING:
+    from apps.grpo.config import GRPOConfig
 
 logger = logging.getLogger("forge.grpo")
 
@@ -66,47 +84,14 @@ EXIT_TERMINATED = 143
 
 
 # ----------------------------------------------------------------------------- the run
-ROLE_MESH_PREFIXES = ("policy", "reference", "reward", "trainer")
-
-
-class _FailureWatch:
-    """Turns a role's process death (Monarch's fault hook) into a prompt failure naming the role.
-
-    A role that dies while nobody is calling it (e.g. the trainer while the controller waits
-    for rollouts) would otherwise be noticed only at its next call.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.failed = asyncio.Event()
-        self.error: RoleFailed | None = None
-        self.stopping = False
-
-    def __call__(self, failure: Any) -> bool:
-        if self.stopping:
-            return True  # processes killed at shutdown (past their exit timeout) are expected
-        mesh = str(getattr(failure, "mesh_name", ""))
-        role = next((r for r in ROLE_MESH_PREFIXES if mesh.startswith(r)), None)
-        if role is None:  # e.g. the hidden "logger-*" mesh that dies with every process
-            return False
-
-        def mark() -> None:
-            if self.error is None:
-                self.error = RoleFailed(role, f"its process died (mesh {mesh})")
-                self.failed.set()
-
-        self.loop.call_soon_threadsafe(mark)
-        return False  # the owning service must see it too
-
-
-async def run(cfg: Any, terminal: Any, resume_from: Path | None = None) -> str:
+async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -> str:
     """Start the roles (from checkpoint ``resume_from`` if given), train, stop; returns the summary."""
     from forge.controller.provisioner import add_fault_listener
 
     t_start = time.perf_counter()
     record_config(cfg, terminal)
     model_path = prepare_model(cfg)
-    watch = _FailureWatch(asyncio.get_running_loop())
+    watch = RoleWatch(cfg)
     add_fault_listener(watch)
     roles = Roles()
     log: RunLog | None = None
@@ -114,36 +99,48 @@ async def run(cfg: Any, terminal: Any, resume_from: Path | None = None) -> str:
     tasks: list[asyncio.Task] = []
     try:
         roles = await start_roles(cfg, model_path)
+        # A restarted policy replica loads the weights the others serve before it takes traffic.
+        roles.policy.set_resync(functools.partial(resync_policy, cfg, roles))
+        await watch.watch_actor("trainer", roles.trainer)
         step, version = (0, 0) if resume_from is None else await resume(cfg, roles, resume_from)
         startup_s = time.perf_counter() - t_start
         log = RunLog(cfg, terminal, resume_after=None if resume_from is None else step)
-        rollouts = Rollouts(roles, cfg.group_size, cfg.rollout_concurrency, cfg.max_buffered_groups)
+        if cfg.env.cls:  # multi-turn: trajectories against the environment service (multiturn.py)
+            rollouts = MultiTurnRollouts.from_config(cfg, roles)
+        else:
+            rollouts = Rollouts(roles, cfg.group_size, cfg.rollout_concurrency, cfg.max_buffered_groups)
         training = asyncio.create_task(train(cfg, roles, rollouts, log, step, version), name="train")
         watcher = asyncio.create_task(watch.failed.wait(), name="failure-watch")
-        tasks = [training, watcher, *rollouts.start()]
+        services = asyncio.create_task(watch.watch_services(roles.services()), name="service-watch")
+        tasks = [training, watcher, services, *rollouts.start()]
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        if watcher in done:
-            raise watch.error  # type: ignore[misc]
+        if watch.error is not None:
+            raise watch.error
         for task in done:
             task.result()  # the training loop's error, or a rollout worker's (they never return)
         log.close()
         plot = log.plot()
         return log.summary(time.perf_counter() - t_start, startup_s) + (f"; plot {plot}" if plot else "")
     except Exception as exc:
-        if watch.error is not None and exc is not watch.error:
-            raise watch.error from exc  # the process death is the root cause: name it
+        root = watch.error if watch.error is not None else exc  # a role gone for good is the root cause
+        if isinstance(root, RoleFailed) and root.role == "trainer":
+            raise RoleFailed("trainer", f"{root.detail}; the run stopped: {resume_hint(cfg)}") from exc
+        if root is not exc:
+            raise root from exc
         raise
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if rollouts is not None:
+            await rollouts.close()
         if log is not None:
             log.close()
         watch.stopping = True  # stays installed: late reports of stopped processes are silenced
         await stop_roles(roles)
 
 
-def record_config(cfg: Any, terminal: Any) -> Path:
+def record_config(cfg: GRPOConfig, terminal: Any) -> Path:
     """Write the resolved config to ``<output_dir>/config.yaml`` and print what differs from the
     defaults, so that a run's record says exactly what it trained with."""
     import yaml
@@ -178,7 +175,7 @@ class Terminated(Exception):
     """SIGTERM arrived; the run was stopped cleanly."""
 
 
-async def _run_until_signalled(cfg: Any, terminal: Any, resume_from: Path | None) -> str:
+async def _run_until_signalled(cfg: GRPOConfig, terminal: Any, resume_from: Path | None) -> str:
     """``run``, with SIGTERM handled like Ctrl-C: cancel, stop every role, then exit."""
     import signal
 

@@ -7,26 +7,57 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forge.controller import ForgeActor
+from forge.controller.errors import describe
+
+if TYPE_CHECKING:
+    from apps.grpo.config import GRPOConfig
 
 logger = logging.getLogger("forge.grpo")
 
 
 class RoleFailed(Exception):
-    """A role (policy, reference, reward, trainer, buffer, dataset) failed; the run stops."""
+    """A call to a role (policy, reference, reward, trainer, buffer, dataset) failed, or the role
+    is gone for good; ``error`` is forge's error for the failed call, if there was one."""
 
     def __init__(self, role: str, error: BaseException | str) -> None:
-        detail = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        detail = error if isinstance(error, str) else describe(error, limit=600, typed=True)
         super().__init__(f"role '{role}' failed: {detail}")
         self.role = role
+        self.detail = detail
+        self.error = error if isinstance(error, BaseException) else None
+
+    @property
+    def recoverable(self) -> bool:
+        """Whether a service replica died or was restarting under the call (the service
+        restarts it), rather than the role's own code failing: the call may be made again."""
+        from forge.controller import NoHealthyReplica, ReplicaFailed, RequestTimeout
+
+        return self.role in SERVICE_ROLES and isinstance(self.error, (ReplicaFailed, NoHealthyReplica, RequestTimeout))
+
+
+SERVICE_ROLES = ("policy", "reference", "reward", "env")
+"""The roles started as services: their replicas restart (``faults``) and the run goes on."""
+
+ROLE_ENV = "FORGE_GRPO_ROLE"
+"""Set to the role's name in each role's processes, so that tools (``ps e``, psutil, the
+fault tests) can tell them apart."""
 
 
 # ----------------------------------------------------------------------------- roles
+@dataclass
+class ServedWeights:
+    """The weights every policy replica should serve; a restarted replica loads them before it
+    takes traffic. ``weights`` is a state dict or a safetensors path; None: the model's own."""
+
+    weights: Any = None
+    version: int = 0
+
+
 @dataclass
 class Roles:
     """Handles of every role; services are routed, actors are called with ``call_one``."""
@@ -37,17 +68,20 @@ class Roles:
     trainer: Any = None
     buffer: Any = None
     dataset: Any = None
+    env: Any = None
+    """The environment service of multi-turn runs (``env.cls``); None for single-turn ones."""
     local: list[Any] = field(default_factory=list)
+    served: ServedWeights = field(default_factory=ServedWeights)
+    """What the policy replicas serve now (set by each weight push)."""
+    host_pool: Any = None
+    """The ``hosts`` section's pool (its job is killed after the roles stop); None: this host."""
 
     def services(self) -> dict[str, Any]:
-        return {
-            n: s
-            for n, s in (("policy", self.policy), ("reference", self.reference), ("reward", self.reward))
-            if s is not None
-        }
+        """Role name -> service handle, for the services that were started."""
+        return {n: s for n in SERVICE_ROLES if (s := getattr(self, n)) is not None}
 
 
-async def start_roles(cfg: Any, model_path: str) -> Roles:
+async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
     """Start every role concurrently; if one fails to start, stop the others and raise."""
     from monarch.actor import this_proc
 
@@ -66,6 +100,7 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
         TrainerConfig,
         TrainerSettings,
     )
+    from forge.envs import SessionAffinity
 
     p, t = cfg.policy, cfg.trainer
     policy_cfg = PolicyConfig(
@@ -82,6 +117,7 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
         temperature=p.temperature,
         seed=cfg.seed,
         checkpoint_dir=cfg.checkpoint_dir if t.checkpoint_every else None,
+        stop_token_ids=list(p.stop_token_ids),  # the loss trains nothing past the policy's stop
     )
     dataset_cfg = DatasetConfig(
         source=cfg.data.source,
@@ -90,7 +126,6 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
         seed=cfg.seed,
         options=dict(cfg.data.options),
     )
-    # A role's failure ends the run (with a message naming it), so replicas are not restarted.
     # Libraries' progress bars and notices stay off the terminal unless a role's env says
     # otherwise; vLLM also gets one OpenMP thread (more were never faster for small models on
     # shared cores).
@@ -107,37 +142,53 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
     roles = Roles()
 
     gpus = assign_gpus(cfg)
+    if cfg.hosts.job != "none":
+        from forge.controller.jobs import host_pool_from
+
+        roles.host_pool = host_pool_from(cfg.hosts)
+
+    def placement(role: str) -> dict[str, Any]:
+        """The role's ActorOptions for where it runs: processes, hosts and its own GPU ids."""
+        section = getattr(cfg, role)
+        return {
+            "procs": section.procs,
+            "hosts": section.hosts,
+            "host_pool": roles.host_pool,
+            "gpus": gpus.get(role),  # None for roles that never take GPUs (env)
+            "gpus_per_proc": section.gpus_per_proc,
+        }
 
     async def service(role: str, actor_cls: type, arg: Any, env: dict[str, str], **options: Any) -> None:
-        _show_gpus(gpus[role])
         section = getattr(cfg, role)
         setattr(
             roles,
             role,
             await actor_cls.options(
                 name=role,
-                procs=section.procs,
                 num_replicas=section.num_replicas,
-                with_gpus=section.with_gpus,
-                env={**env, **section.env},
-                max_restarts=0,
+                env={**env, ROLE_ENV: role, **section.env},
+                **placement(role),
+                **fault_options(cfg),
                 **options,
             ).as_service(arg),
         )
 
     policy = functools.partial(
-        service, "policy", Policy, policy_cfg, policy_env, endpoint_routers={"generate": PromptAffinity}
+        service,
+        "policy",
+        Policy,
+        policy_cfg,
+        policy_env,
+        endpoint_routers={"generate": PromptAffinity, "generate_turn": SessionAffinity},
     )
     reference = functools.partial(service, "reference", ReferenceModel, reference_cfg, quiet, router="least_loaded")
     reward = functools.partial(service, "reward", RewardActor, dict(cfg.reward.fns), quiet, router="least_loaded")
 
     async def trainer() -> None:
-        _show_gpus(gpus["trainer"])
         roles.trainer = await Trainer.options(
             name="trainer",
-            procs=t.procs,
-            with_gpus=t.with_gpus,
-            env={**quiet, **t.env},
+            env={**quiet, ROLE_ENV: "trainer", **t.env},
+            **placement("trainer"),
         ).as_actor(trainer_cfg)
 
     async def local() -> None:
@@ -148,16 +199,33 @@ async def start_roles(cfg: Any, model_path: str) -> Roles:
         await asyncio.gather(roles.buffer.setup.call_one(), roles.dataset.setup.call_one())
 
     starters = {"policy": policy, "reference": reference, "reward": reward, "trainer": trainer, "buffer/dataset": local}
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    try:
-        results = await asyncio.gather(*(fn() for fn in starters.values()), return_exceptions=True)
-    finally:
-        _show_gpus(None if visible is None else visible.split(","), restore=True)
+    if cfg.env.cls:
+        from forge.envs import EnvActor, EnvConfig, EnvSessionRouter
+
+        env_cfg = EnvConfig(cfg.env.cls, dict(cfg.env.options), model_path, cfg.env.step_timeout_s)
+        starters["env"] = functools.partial(service, "env", EnvActor, env_cfg, quiet, router=EnvSessionRouter)
+    results = await asyncio.gather(*(fn() for fn in starters.values()), return_exceptions=True)
     for name, result in zip(starters, results):
         if isinstance(result, BaseException):
             await stop_roles(roles)
-            raise RoleFailed(name, _describe(result)) from result
+            raise RoleFailed(name, describe(result, limit=600, typed=True)) from result
     return roles
+
+
+def fault_options(cfg: GRPOConfig) -> dict[str, Any]:
+    """The services' restart and health options (``ActorOptions``) from the ``faults`` section.
+
+    A caller waits for a restarting role as long as the run would (``max_unhealthy_s``) before
+    its call fails with ``NoHealthyReplica``; the run's own watch gives up on the role then.
+    """
+    f = cfg.faults
+    return {
+        "max_restarts": f.max_restarts,
+        "restart_backoff_s": f.restart_backoff_s,
+        "health_interval_s": f.health_interval_s,
+        "health_timeout_s": f.health_timeout_s,
+        "queue_timeout_s": f.max_unhealthy_s,
+    }
 
 
 def settings(section: Any, settings_cls: type) -> dict[str, Any]:
@@ -168,40 +236,52 @@ def settings(section: Any, settings_cls: type) -> dict[str, Any]:
 GPU_ROLES = ("policy", "reference", "reward", "trainer")
 
 
-def assign_gpus(cfg: Any) -> dict[str, list[str] | None]:
-    """Disjoint GPU ids for the roles with ``with_gpus``, taken in order from the visible ones.
+def assign_gpus(cfg: GRPOConfig, visible: list[str] | None = None) -> dict[str, list[str] | None]:
+    """Each role's GPU ids, passed to its processes explicitly (``ActorOptions(gpus=...)``).
 
-    forge's provisioner splits GPUs among the replicas of *one* service; separate services
-    would each start counting at the first GPU, so the app gives each role its own slice.
+    A role whose section lists ``gpus`` gets exactly those; roles may list the same ids to share
+    GPUs (the one-GPU config puts every role on GPU 0). The other roles with ``with_gpus`` get
+    disjoint slices, in role order, of the ``visible`` devices (default: the ``hosts`` section's
+    ``gpus_per_host``, else ``CUDA_VISIBLE_DEVICES`` or all) that no role lists. A role needs
+    ``procs x gpus_per_proc x num_replicas`` ids (the trainer has one replica); over several hosts
+    the same ids are used on each host.
     """
-    from forge.controller.provisioner import visible_gpus
-
-    need = {}
+    need: dict[str, int] = {}
+    out: dict[str, list[str] | None] = dict.fromkeys(GPU_ROLES)
     for role in GPU_ROLES:
         section = getattr(cfg, role)
-        if section.with_gpus:
-            need[role] = section.procs * (section.num_replicas if role != "trainer" else 1)
-    devices = visible_gpus() if need else []
-    if sum(need.values()) > len(devices):
+        n = section.procs * section.gpus_per_proc * (section.num_replicas if role != "trainer" else 1)
+        if section.gpus is not None:
+            if len(section.gpus) != n:
+                raise ValueError(
+                    f"{role}.gpus lists {len(section.gpus)} device(s) {list(section.gpus)}, but the role needs "
+                    f"{role}.procs x {role}.gpus_per_proc"
+                    + (f" x {role}.num_replicas" if role != "trainer" else "")
+                    + f" = {n}"
+                )
+            out[role] = [str(g) for g in section.gpus]
+        elif section.with_gpus:
+            need[role] = n
+    if not need:
+        return out
+    if visible is None:  # the job's hosts' GPUs if the hosts section knows them, else this host's
+        from forge.controller.provisioner import visible_gpus
+
+        visible = cfg.hosts.host_gpus() or visible_gpus()
+    listed = {g for ids in out.values() if ids for g in ids}
+    free = [d for d in visible if d not in listed]
+    if sum(need.values()) > len(free):
         wanted = ", ".join(f"{r} {n}" for r, n in need.items())
         raise ValueError(
-            f"the roles with with_gpus need {sum(need.values())} GPUs ({wanted}) but {len(devices)} are visible "
-            f"({devices}); set CUDA_VISIBLE_DEVICES, or lower procs/num_replicas"
+            f"the roles with with_gpus need {sum(need.values())} GPUs ({wanted}) but {len(free)} are free "
+            f"({free} of the visible {visible}); set CUDA_VISIBLE_DEVICES, lower procs/num_replicas, or "
+            "let roles share GPUs with <role>.gpus"
         )
-    out: dict[str, list[str] | None] = dict.fromkeys(GPU_ROLES)
     start = 0
     for role, n in need.items():
-        out[role] = devices[start : start + n]
+        out[role] = free[start : start + n]
         start += n
     return out
-
-
-def _show_gpus(devices: list[str] | None, restore: bool = False) -> None:
-    """Make only ``devices`` visible to the next role started (None: leave or restore)."""
-    if devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-    elif restore:
-        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 
 
 async def stop_roles(roles: Roles, timeout_s: float = 60.0) -> None:
@@ -218,11 +298,11 @@ async def stop_roles(roles: Roles, timeout_s: float = 60.0) -> None:
         await asyncio.wait_for(asyncio.gather(*(stop(s) for s in stops), return_exceptions=True), timeout_s)
     except asyncio.TimeoutError:
         logger.warning("some roles did not stop within %.0fs; their processes are reaped at exit", timeout_s)
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:600]
+    if roles.host_pool is not None:
+        try:
+            roles.host_pool.close()  # a Slurm allocation is released, a ProcessJob's workers end
+        except Exception as exc:
+            logger.warning("the hosts' job did not stop cleanly: %s", exc)
 
 
 async def call_role(role: str, awaitable: Any) -> Any:
@@ -236,11 +316,12 @@ async def call_role(role: str, awaitable: Any) -> Any:
     except Exception as exc:
         from forge.controller.replica import translate_error
 
-        raise RoleFailed(role, _describe(translate_error(exc, role))) from exc
+        raise RoleFailed(role, translate_error(exc, role)) from exc
 
 
-def prepare_model(cfg: Any) -> str:
-    """The checkpoint folder; makes the tiny model there first if the config asks for it."""
+def prepare_model(cfg: GRPOConfig) -> str:
+    """The checkpoint folder; makes the tiny model there first if the config asks for it. Checks
+    that the file transport's folder has room for the model's weights before any role starts."""
     path = Path(cfg.model.path)
     if cfg.model.tiny.make_if_missing:
         from forge.models import make_tiny_model
@@ -251,4 +332,5 @@ def prepare_model(cfg: Any) -> str:
         )
     elif not path.is_dir():
         raise FileNotFoundError(f"model.path {str(path)!r} is not a folder; point it at a Hugging Face checkpoint")
+    cfg.check_weight_sync_space(path)
     return str(path.resolve())

@@ -5,10 +5,39 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from apps.grpo.roles import Roles, call_role
+from apps.grpo.roles import RoleFailed, Roles, call_role
+from forge.controller import Batcher, Batching
+
+logger = logging.getLogger("forge.grpo")
+
+MAX_GROUP_ATTEMPTS = 10
+"""Tries of one group before the run gives up on it (each try follows a replica's death)."""
+
+
+@dataclass
+class RolloutCounts:
+    """Where every group the rollouts started went; ``lost`` is 0 unless one vanished."""
+
+    started: int = 0
+    """Groups begun (one prompt each)."""
+    regenerated: int = 0
+    """Tries that a dying policy, reference or reward replica cut short; the group was generated
+    again from the same prompt, with the same ``group_id``."""
+    stored: int = 0
+    """Groups the buffer stored."""
+    refused: int = 0
+    """Groups the buffer refused as duplicates of a ``group_id`` it already had."""
+    in_flight: int = 0
+    """Groups begun and not yet stored or refused (at the end of a run: cut off by its end)."""
+
+    @property
+    def lost(self) -> int:
+        return self.started - self.stored - self.refused - self.in_flight
 
 
 class Rollouts:
@@ -19,9 +48,13 @@ class Rollouts:
     of training instead of producing groups that would be evicted as stale.
 
     Messages to the dataset and the buffer are coalesced: prompts are fetched ``concurrency`` at
-    a time, and finished groups go to the buffer together (whatever finished while the last
-    ``add_many`` was in flight), so these light roles cost a few messages a step, not two per
-    group.
+    a time, and finished groups go to the buffer through a forge ``Batcher`` with one slot, so
+    whatever finished while the last ``add_many`` was in flight goes in the next one. These
+    light roles cost a few messages a step, not two per group.
+
+    A group whose policy, reference or reward call fails because a replica died or was
+    restarting (``RoleFailed.recoverable``) is generated again from the same prompt; any other
+    failure ends the run.
     """
 
     def __init__(self, roles: Roles, group_size: int, concurrency: int, max_buffered: int) -> None:
@@ -30,18 +63,28 @@ class Rollouts:
         self.concurrency = concurrency
         self.max_buffered = max_buffered
         self.outstanding = 0  # groups in flight or in the buffer
-        self.groups_added = 0
+        self.counts = RolloutCounts()
+        self.buffer_stats: Any = None  # the buffer's counters (BufferStats) at the last sample
         self.room = asyncio.Condition()
         self.added = asyncio.Event()
         self._ids = itertools.count()
         self._prompts: collections.deque[Any] = collections.deque()
         self._fetching = asyncio.Lock()
-        self._pending: list[tuple[Any, asyncio.Future]] = []
-        self._storing = False
+        # One slot: while an add_many is in flight the next batch forms; no wait once it is free.
+        writes = Batching(max_size=1 << 20, max_wait_s=0.0, max_concurrent_batches=1)
+        self._writes = Batcher(writes, self._add_many, name="grpo-buffer-writes")
+
+    @property
+    def groups_added(self) -> int:
+        return self.counts.stored
 
     def start(self) -> list[asyncio.Task]:
         """Start the workers; the caller owns (and cancels) the returned tasks."""
         return [asyncio.create_task(self._worker(i), name=f"rollout-{i}") for i in range(self.concurrency)]
+
+    async def close(self) -> None:
+        """Stop the buffer writer; call after cancelling the workers."""
+        await self._writes.close()
 
     async def taken(self, n: int) -> None:
         """Training took ``n`` groups out of the buffer (or they were evicted)."""
@@ -54,7 +97,38 @@ class Rollouts:
             async with self.room:
                 await self.room.wait_for(lambda: self.outstanding < self.max_buffered)
                 self.outstanding += 1
-            await self._store(await self.one_group())
+            self.counts.started += 1
+            self.counts.in_flight += 1
+            try:
+                group = await self._produce()
+                stored = await self._writes.enqueue(group)
+            finally:
+                self.counts.in_flight -= 1
+            if stored:
+                self.counts.stored += 1
+                self.added.set()
+            else:
+                self.counts.refused += 1
+                await self.taken(1)
+
+    async def _add_many(self, groups: list[Any], key: Any) -> list[bool]:
+        """The buffer writer's executor: one message for every group that finished meanwhile."""
+        return await call_role("buffer", self.roles.buffer.add_many.call_one(groups))
+
+    async def _produce(self) -> Any:
+        """One prompt's group, generated again (same prompt, same id) after a replica's death."""
+        prompt = await self._next_prompt()
+        group_id = f"{prompt.prompt_id}#{next(self._ids)}"
+        for attempt in range(1, MAX_GROUP_ATTEMPTS + 1):
+            try:
+                return await self.one_group(prompt, group_id)
+            except RoleFailed as exc:
+                if not exc.recoverable or attempt == MAX_GROUP_ATTEMPTS:
+                    raise
+                self.counts.regenerated += 1
+                logger.info("group %s: %s; generating it again (try %d)", group_id, exc, attempt + 1)
+                await asyncio.sleep(min(0.2 * attempt, 2.0))  # the service is restarting the replica
+        raise AssertionError("unreachable")
 
     async def _next_prompt(self) -> Any:
         async with self._fetching:
@@ -64,40 +138,7 @@ class Rollouts:
                 )
             return self._prompts.popleft()
 
-    async def _store(self, group: Any) -> None:
-        """Add ``group`` to the buffer; the first waiter sends everyone's groups in one message."""
-        done = asyncio.get_running_loop().create_future()
-        self._pending.append((group, done))
-        if self._storing:
-            return await done
-        self._storing = True
-        try:
-            while self._pending:
-                batch, self._pending = self._pending, []
-                try:
-                    await call_role("buffer", self.roles.buffer.add_many.call_one([g for g, _ in batch]))
-                except BaseException as exc:
-                    # Everyone waiting shares the fate of the message (the leader re-raises).
-                    for _, fut in batch + self._pending:
-                        if fut is done or fut.done():
-                            continue
-                        if isinstance(exc, asyncio.CancelledError):
-                            fut.cancel()
-                        else:
-                            fut.set_exception(exc)
-                    self._pending = []
-                    done.cancel()
-                    raise
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_result(None)
-                self.groups_added += len(batch)
-                self.added.set()
-        finally:
-            self._storing = False
-        await done
-
-    async def one_group(self) -> Any:
+    async def one_group(self, prompt: Any, group_id: str) -> Any:
         """Prompt -> completions -> rewards and reference logprobs -> scored episodes."""
         import torch
 
@@ -107,7 +148,6 @@ class Rollouts:
         from forge.types import Episode, EpisodeBatch
 
         roles = self.roles
-        prompt = await self._next_prompt()
         t0 = time.perf_counter()
         group = await call_role("policy", roles.policy.generate.route(prompt, key=prompt_key(prompt)))
         t1 = time.perf_counter()
@@ -121,7 +161,6 @@ class Rollouts:
         record_metric("rollout/generate_latency_s", t1 - t0)
         record_metric("rollout/score_latency_s", time.perf_counter() - t1)
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32))
-        group_id = f"{prompt.prompt_id}#{next(self._ids)}"
         return EpisodeBatch.pack(
             [
                 Episode(
@@ -133,6 +172,7 @@ class Rollouts:
                     reward=float(r),
                     advantage=float(a),
                     policy_version=c.policy_version,
+                    finish_reason=c.finish_reason,  # trainer.mask_truncated reads it
                 )
                 for c, r, a, ref in zip(completions, rewards, advantages.tolist(), ref_logprobs)
             ]

@@ -7,15 +7,20 @@ import asyncio
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from apps.grpo.roles import Roles, call_role
+from apps.grpo.roles import RoleFailed, Roles, call_role
+
+if TYPE_CHECKING:
+    from apps.grpo.config import GRPOConfig
+
+logger = logging.getLogger("forge.grpo")
 
 
 class RunLog:
     """Per-step metrics: the roles' records and the step's own, reduced, to every sink."""
 
-    def __init__(self, cfg: Any, terminal: Any, resume_after: int | None = None) -> None:
+    def __init__(self, cfg: GRPOConfig, terminal: Any, resume_after: int | None = None) -> None:
         """``resume_after``: the checkpoint's step when resuming; the earlier steps' rows are
         kept (and count in the summary), later ones dropped. None starts a fresh record."""
         from forge.observability import MetricAggregator, make_sinks
@@ -41,11 +46,12 @@ class RunLog:
             )
 
     async def step(self, step: int, metrics: dict[str, float], roles: Roles) -> None:
-        """Log one step: ``metrics`` plus what the services recorded, to every sink.
+        """Log one step: ``metrics``, what the services recorded and each service's restarts
+        and resent requests so far (``restarts/<role>``, ``retried/<role>``), to every sink.
 
         The services' records are drained in the background: a drain message queues behind
-        the batch a replica is running (a policy's generate), and awaiting it every step put
-        about 0.18 s on each step of the tiny run. So a step's row holds the records of the
+        the batch a replica is running (a policy's generate), and awaiting it every step added
+        that wait to every step of the tiny run (``docs/benchmarks.md``). So a step's row holds the records of the
         last drain that had finished by then, and a new drain starts when none is in flight;
         the last step waits for a final drain, so no record is lost.
         """
@@ -62,6 +68,10 @@ class RunLog:
         self.aggregator.extend(drain_local_metrics())
         for name, value in metrics.items():
             self.aggregator.record(name, value, "last")
+        for role, svc in roles.services().items():
+            totals = svc.metrics()
+            self.aggregator.record(f"restarts/{role}", float(totals["restarts"]), "last")
+            self.aggregator.record(f"retried/{role}", float(totals["retried"]), "last")
         row = self.aggregator.flush(step)
         self.rows.append(row)
         for sink in self.sinks:
@@ -77,8 +87,19 @@ class RunLog:
 
     @staticmethod
     async def _drain_services(roles: Roles) -> list[list[Any]]:
-        drains = [call_role(name, svc.drain_metrics.fanout()) for name, svc in roles.services().items()]
-        return list(await asyncio.gather(*drains))
+        """Every service's records. A replica that dies meanwhile loses its records (metrics,
+        never groups): its service restarts it, and the run goes on."""
+
+        async def drain(name: str, svc: Any) -> list[Any]:
+            try:
+                return await call_role(name, svc.drain_metrics.fanout())
+            except RoleFailed as exc:
+                if not exc.recoverable:
+                    raise
+                logger.info("metrics of %s not drained this step: %s", name, exc)
+                return []
+
+        return list(await asyncio.gather(*(drain(n, s) for n, s in roles.services().items())))
 
     def _absorb(self, drained: list[list[Any]]) -> None:
         for records in drained:

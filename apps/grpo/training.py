@@ -8,15 +8,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from apps.grpo.roles import Roles, call_role
+from apps.grpo.roles import RoleFailed, Roles, ServedWeights, call_role
 from apps.grpo.rollouts import Rollouts
 from forge.checkpoint import latest_checkpoint
+from forge.distributed import call_spmd  # the trainer is one SPMD mesh: every rank gets each call
 
 if TYPE_CHECKING:
+    from apps.grpo.config import GRPOConfig
     from apps.grpo.run_log import RunLog
 
 
-async def train(cfg: Any, roles: Roles, rollouts: Rollouts, log: RunLog, after_step: int = 0, version: int = 0) -> None:
+async def train(
+    cfg: GRPOConfig, roles: Roles, rollouts: Rollouts, log: RunLog, after_step: int = 0, version: int = 0
+) -> None:
     """The step loop: wait for a batch, one optimizer step, weight sync, log, checkpoint.
 
     The new weights are taken from the trainer right after its step; loading them into the
@@ -34,7 +38,7 @@ async def train(cfg: Any, roles: Roles, rollouts: Rollouts, log: RunLog, after_s
             groups = await wait_for_batch(cfg, roles, rollouts, version)
             t1 = time.perf_counter()
             batch = EpisodeBatch.concat(groups)
-            stats = await call_role("trainer", roles.trainer.train_step.call_one(batch))
+            stats = await call_role("trainer", call_spmd(roles.trainer.train_step, batch))
             t2 = time.perf_counter()
             version = int(stats["policy_version"])
             weights = await fetch_weights(cfg, roles)
@@ -53,6 +57,9 @@ async def train(cfg: Any, roles: Roles, rollouts: Rollouts, log: RunLog, after_s
                     "kl": stats["kl"],
                     "clip_fraction": stats.get("clip_fraction", 0.0),
                     "ratio_mean": stats.get("ratio_mean", 1.0),
+                    # |trainer - behaviour| logprob: sampler/trainer drift (trainer.dual_clip, tis_cap bound it)
+                    "mismatch_max": stats.get("mismatch_max", 0.0),
+                    "mismatch_mean": stats.get("mismatch_mean", 0.0),
                     "grad_norm": stats["grad_norm"],
                     "policy_version": version,
                     "policy_age_mean": float((version - 1 - batch.policy_versions).float().mean()),
@@ -61,6 +68,7 @@ async def train(cfg: Any, roles: Roles, rollouts: Rollouts, log: RunLog, after_s
                     "wait_s": t1 - t0,
                     "train_s": t2 - t1,
                     "sync_wait_s": t3 - t2,
+                    **group_counts(rollouts),
                 },
                 roles,
             )
@@ -68,19 +76,22 @@ async def train(cfg: Any, roles: Roles, rollouts: Rollouts, log: RunLog, after_s
                 await save_checkpoint(roles, step)
         if pushing is not None:
             await pushing
+        if cfg.trainer.export_final_model:
+            await export_final_model(cfg, roles)
     finally:
         if pushing is not None and not pushing.done():
             pushing.cancel()
             await asyncio.gather(pushing, return_exceptions=True)
 
 
-async def wait_for_batch(cfg: Any, roles: Roles, rollouts: Rollouts, version: int) -> list[list[Any]]:
+async def wait_for_batch(cfg: GRPOConfig, roles: Roles, rollouts: Rollouts, version: int) -> list[list[Any]]:
     """``prompts_per_step`` groups fresh enough for ``version``; waits for rollouts if needed."""
     from forge.observability import record_metric
 
     while True:
         rollouts.added.clear()
         sample = await call_role("buffer", roles.buffer.sample.call_one(cfg.prompts_per_step, version))
+        rollouts.buffer_stats = sample.stats
         record_metric("buffer/evicted_groups", sample.evicted, "sum")
         taken = sample.evicted + (len(sample.groups) if sample.groups is not None else 0)
         if taken:
@@ -90,36 +101,121 @@ async def wait_for_batch(cfg: Any, roles: Roles, rollouts: Rollouts, version: in
         await rollouts.added.wait()
 
 
-async def fetch_weights(cfg: Any, roles: Roles) -> tuple[Any, int]:
+def group_counts(rollouts: Rollouts) -> dict[str, float]:
+    """Where every group went so far (cumulative): started, generated again after a replica
+    died, stored, trained, dropped, still in flight; ``groups/lost`` and
+    ``groups/unaccounted`` are 0 unless a group vanished (rollouts' and the buffer's books)."""
+    c, b = rollouts.counts, rollouts.buffer_stats
+    counts = {
+        "groups/started": c.started,
+        "groups/regenerated": c.regenerated,
+        "groups/stored": c.stored,
+        "groups/in_flight": c.in_flight,
+        "groups/lost": c.lost,
+    }
+    if b is not None:
+        counts.update(
+            {
+                "groups/trained": b.sampled,
+                "groups/dropped_stale": b.dropped_stale,
+                "groups/dropped_full": b.dropped_full,
+                "groups/duplicates": b.duplicates + c.refused,
+                "groups/buffered": b.size,
+                "groups/unaccounted": b.added - b.sampled - b.evicted - b.size,
+            }
+        )
+    return {k: float(v) for k, v in counts.items()}
+
+
+async def fetch_weights(cfg: GRPOConfig, roles: Roles) -> tuple[Any, int]:
     """The trainer's current weights, as the configured transport carries them, and their version."""
     if cfg.weight_sync.transport == "file":
-        return await call_role("trainer", roles.trainer.publish_weights.call_one(cfg.weight_sync.dir))
-    return await call_role("trainer", roles.trainer.weights.call_one())
+        return await call_role("trainer", call_spmd(roles.trainer.publish_weights, cfg.weight_sync.dir))
+    return await call_role("trainer", call_spmd(roles.trainer.weights))
 
 
-async def push_weights(cfg: Any, roles: Roles, weights: Any, version: int) -> int:
-    """Load ``weights`` (a state dict or a file path) into every policy replica."""
+async def push_weights(cfg: GRPOConfig, roles: Roles, weights: Any, version: int) -> int:
+    """Load ``weights`` (a state dict or a file path) into every healthy policy replica.
+
+    They become ``roles.served`` first, so a replica that is restarting meanwhile loads them
+    in its resync (``resync_policy``). A replica that dies while loading them does not fail the
+    sync: it restarts and resyncs, and the sync waits only for the replicas that are alive.
+    """
     from forge.observability import record_metric
 
     t0 = time.perf_counter()
-    await call_role("policy", roles.policy.update_weights.fanout(weights, version))
+    roles.served = ServedWeights(weights, version)
+    try:
+        await call_role("policy", roles.policy.update_weights.fanout(weights, version))
+    except RoleFailed as exc:
+        if not exc.recoverable:
+            raise
+        record_metric("weight_sync/interrupted", 1, "sum")
+        await _loads_finished(roles, exc)
     record_metric("weight_sync/push_s", time.perf_counter() - t0)
     return version
 
 
-async def sync_weights(cfg: Any, roles: Roles) -> int:
+async def _loads_finished(roles: Roles, interrupted: RoleFailed, tries: int = 5) -> None:
+    """Wait until the live policy replicas have run their weight loads of an interrupted sync.
+
+    The gather of the interrupted fanout gave up at the first dead replica, but the other
+    replicas' loads still run; a replica handles one message at a time, so a ``version`` call
+    answered by each live replica comes after its load.
+    """
+    from forge.controller import NoHealthyReplica
+
+    for _ in range(tries):
+        try:
+            await call_role("policy", roles.policy.version.fanout())
+            return
+        except RoleFailed as exc:
+            if not exc.recoverable or isinstance(exc.error, NoHealthyReplica):
+                return  # none is alive: each one resyncs as it comes back
+            interrupted = exc  # another replica died meanwhile: ask the live ones again
+    raise interrupted
+
+
+async def resync_policy(cfg: GRPOConfig, roles: Roles, actor_mesh: Any) -> None:
+    """A restarted policy replica's step before it takes traffic: load the served weights.
+
+    If a new version is pushed while it loads (the push skips replicas that are not healthy
+    yet), it loads that one too, so it rejoins at the current version.
+    """
+    from forge.observability import record_metric
+
+    loaded = 0  # a fresh engine serves the model's own weights, version 0
+    for _ in range(5):
+        served = roles.served
+        if served.weights is None or served.version == loaded:
+            return
+        timeout = cfg.faults.max_unhealthy_s
+        await asyncio.wait_for(actor_mesh.update_weights.call(served.weights, served.version), timeout)
+        loaded = served.version
+        record_metric("weight_sync/resyncs", 1, "sum")
+        record_metric("weight_sync/resync_version", loaded, "last")
+
+
+async def sync_weights(cfg: GRPOConfig, roles: Roles) -> int:
     """Publish the trainer's weights to every policy replica and wait; returns their version."""
     return await push_weights(cfg, roles, *(await fetch_weights(cfg, roles)))
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def checkpoint_due(cfg: Any, step: int) -> bool:
+async def export_final_model(cfg: GRPOConfig, roles: Roles) -> str:
+    """The trained model as a Hugging Face folder, ``<logging.output_dir>/final_model``, that
+    ``transformers`` and vLLM load."""
+    folder = str(Path(cfg.logging.output_dir) / "final_model")
+    return await call_role("trainer", call_spmd(roles.trainer.export_model, folder))
+
+
+def checkpoint_due(cfg: GRPOConfig, step: int) -> bool:
     """Every ``trainer.checkpoint_every`` steps, and at the last step."""
     every = cfg.trainer.checkpoint_every
     return every > 0 and (step % every == 0 or step == cfg.steps)
 
 
-def checkpoint_to_resume(cfg: Any, resume: bool) -> Path | None:
+def checkpoint_to_resume(cfg: GRPOConfig, resume: bool) -> Path | None:
     """The newest complete checkpoint of the run when ``resume``; None for a fresh run.
 
     ``--resume`` without a checkpoint is an error naming the folder searched. So is a fresh run
@@ -144,10 +240,10 @@ def checkpoint_to_resume(cfg: Any, resume: bool) -> Path | None:
 async def save_checkpoint(roles: Roles, step: int) -> None:
     """The trainer's full state, plus the controller's: the dataset's position."""
     position = await call_role("dataset", roles.dataset.position.call_one())
-    await call_role("trainer", roles.trainer.save_checkpoint.call_one(step, {"dataset_position": position}))
+    await call_role("trainer", call_spmd(roles.trainer.save_checkpoint, step, {"dataset_position": position}))
 
 
-async def resume(cfg: Any, roles: Roles, path: Path) -> tuple[int, int]:
+async def resume(cfg: GRPOConfig, roles: Roles, path: Path) -> tuple[int, int]:
     """Load checkpoint ``path`` into the roles before any rollout; returns (step, policy version).
 
     Restored: the trainer's weights, optimizer state, policy version and RNG states; the
@@ -158,7 +254,7 @@ async def resume(cfg: Any, roles: Roles, path: Path) -> tuple[int, int]:
     samples the killed run would have drawn (concurrent rollouts make no two runs draw them
     alike anyway).
     """
-    step, version, extra = await call_role("trainer", roles.trainer.load_checkpoint.call_one(str(path)))
+    step, version, extra = await call_role("trainer", call_spmd(roles.trainer.load_checkpoint, str(path)))
     await call_role("dataset", roles.dataset.seek.call_one(int(extra.get("dataset_position", 0))))
     await sync_weights(cfg, roles)
     return step, version

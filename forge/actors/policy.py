@@ -9,9 +9,8 @@ The replica prebatches concurrent prompts, and ``PolicyConfig.engine_mode`` says
 reaches vLLM: ``"batched"`` (the default) makes **one** ``VllmEngine.generate`` call, where vLLM
 batches prompts x ``group_size`` samples itself; ``"async"`` feeds ``AsyncVllmEngine`` (vLLM's
 ``AsyncLLM``) one request per prompt, all in flight at once. Batched is faster for the GRPO
-app's batches on CPU (``benchmarks/policy_engine.py``, grpo_tiny.yaml, medians): 64 prompts x
-8 x 3 tokens in 107 ms against 146 ms, 16 x 8 x 3 in 25 ms against 41 ms, 256 x 8 x 3 in 405 ms
-against 522 ms (1.3-1.7x over two runs). Every completion carries its prompt/response token ids,
+app's batches on CPU at every batch size measured (``benchmarks/policy_engine.py``; figures in
+``docs/benchmarks.md``). Every completion carries its prompt/response token ids,
 the behaviour logprob of each sampled token (``processed_logprobs``: after temperature, what
 the trainer computes) and the policy version it was sampled with.
 
@@ -36,10 +35,19 @@ import torch
 
 from forge.controller import Batching, ForgeActor, KeyAffinity, endpoint
 from forge.controller.routing import RouteRequest
-from forge.observability import drain_local_metrics, record_metric
-from forge.types import Completion, Group, Prompt
+from forge.observability import record_metric
+from forge.types import Completion, Group, Prompt, TurnRequest, TurnResult
 
-__all__ = ["PackedGroups", "Policy", "PolicyConfig", "PolicySettings", "PromptAffinity", "PromptKey", "prompt_key"]
+__all__ = [
+    "PackedGroups",
+    "PackedTurns",
+    "Policy",
+    "PolicyConfig",
+    "PolicySettings",
+    "PromptAffinity",
+    "PromptKey",
+    "prompt_key",
+]
 
 logger = logging.getLogger("forge.policy")
 
@@ -59,6 +67,9 @@ class PolicySettings:
     """Nucleus sampling; keep 1.0 unless the trainer applies the same mask."""
     stop: list[str] | None = None
     """Extra stop strings (the tokenizer's EOS always stops)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that also end a completion (kept as its last token), e.g. Qwen's ``<|im_end|>``
+    (151645): a ``-Base`` checkpoint's EOS list lacks it, and it writes a made-up next turn."""
     max_model_len: int = 256
     """Longest prompt + response the engine accepts."""
     dtype: str = "float32"
@@ -136,9 +147,9 @@ class PromptAffinity(KeyAffinity):
 class PackedGroups:
     """One batch's groups in a few flat tensors, as they travel back from the replica.
 
-    Monarch serialises each tensor separately (~0.1 ms per tensor, both ends): a batch of 16
-    prompts x 8 completions as ``Completion`` objects is 384 tensors and cost ~30% of the
-    generation time of the tiny model; packed it is three. The service unpacks it into
+    Monarch serialises each tensor of a message separately, at a fixed cost per tensor: a batch
+    of 16 prompts x 8 completions as ``Completion`` objects is 384 tensors, a large share of the
+    tiny model's generation time (``docs/benchmarks.md``); packed it is three. The service unpacks it into
     ``Group``s (the endpoint's ``debatch``), so callers of ``generate.route`` never see it.
     """
 
@@ -193,6 +204,28 @@ class PackedGroups:
         return groups
 
 
+@dataclass
+class PackedTurns:
+    """One batch of multi-turn turns in flat tensors (two per batch, not two per turn)."""
+
+    lens: list[int]
+    token_ids: torch.Tensor  # int64 [sum of lengths]
+    logprobs: torch.Tensor  # float32 [sum of lengths]
+    texts: list[str]
+    finish_reasons: list[str]
+    policy_version: int
+
+    def unpack(self) -> list[TurnResult]:
+        tokens = torch.split(self.token_ids, self.lens)
+        logprobs = torch.split(self.logprobs, self.lens)
+        return [
+            TurnResult(
+                tokens[i].clone(), logprobs[i].clone(), self.texts[i], self.policy_version, self.finish_reasons[i]
+            )
+            for i in range(len(self.lens))
+        ]
+
+
 class Policy(ForgeActor):
     """vLLM engine behind a batched ``generate`` endpoint and an in-place ``update_weights``."""
 
@@ -244,10 +277,14 @@ class Policy(ForgeActor):
                 max_tokens=cfg.max_tokens,
                 top_p=cfg.top_p,
                 stop=cfg.stop,
+                stop_token_ids=list(cfg.stop_token_ids),
             )
         )
         seconds = time.perf_counter() - t0
         tokens = sum(int(c.token_ids.numel()) for group in outputs for c in group)
+        finished = [c.finish_reason for group in outputs for c in group]
+        # Cut at max_tokens: scored and (unless trainer.mask_truncated) trained as if finished.
+        record_metric("policy/truncated_fraction", finished.count("length") / max(len(finished), 1))
         self.stats["generate_s"] += seconds
         self.stats["batches"] += 1
         self.stats["prompts"] += len(prompts)
@@ -256,6 +293,72 @@ class Policy(ForgeActor):
         record_metric("policy/generate_s", seconds, "sum")
         record_metric("policy/tokens", tokens, "sum")
         return PackedGroups.pack(prompts, outputs, cfg.group_size, self.engine.version)
+
+    @staticmethod
+    def unpack_turns(packed: PackedTurns, n: int) -> list[TurnResult]:
+        """``generate_turn``'s debatch: the packed batch -> one ``TurnResult`` per caller."""
+        turns = packed.unpack()
+        if len(turns) != n:
+            raise ValueError(f"Policy.generate_turn returned {len(turns)} turns for {n} requests")
+        return turns
+
+    @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_turns"))
+    async def generate_turn(self, requests: list[TurnRequest]) -> PackedTurns:
+        """One sample (``max_tokens`` at most) per multi-turn request, from its token history.
+
+        The history goes to vLLM as token ids, so nothing is re-tokenised; with prefix caching
+        the part of it that this replica computed on an earlier turn is not computed again.
+        """
+        cfg = self.config
+        t0 = time.perf_counter()
+        outputs = await _settle(
+            self.engine.generate(
+                [r.history_ids for r in requests],
+                n=1,
+                temperature=cfg.temperature,
+                max_tokens=cfg.max_tokens,
+                top_p=cfg.top_p,
+                stop=cfg.stop,
+                stop_token_ids=list(cfg.stop_token_ids),
+            )
+        )
+        samples = [group[0] for group in outputs]
+        seconds = time.perf_counter() - t0
+        tokens = sum(int(c.token_ids.numel()) for c in samples)
+        self.stats["generate_s"] += seconds
+        self.stats["batches"] += 1
+        self.stats["prompts"] += len(requests)
+        self.stats["tokens"] += tokens
+        record_metric("policy/turn_batch", len(requests))
+        record_metric("policy/generate_s", seconds, "sum")
+        return PackedTurns(
+            lens=[int(c.token_ids.numel()) for c in samples],
+            token_ids=torch.cat([c.token_ids for c in samples]),
+            logprobs=torch.cat([c.logprobs for c in samples]),
+            texts=[c.text for c in samples],
+            finish_reasons=[c.finish_reason for c in samples],
+            policy_version=self.engine.version,
+        )
+
+    @endpoint
+    async def prefix_cache_stats(self) -> dict[str, float]:
+        """vLLM's own prompt-token counters: ``queries``/``hits`` of the prefix cache (tokens),
+        ``prompt_tokens`` and ``prompt_tokens_cached``. Needs ``engine_kwargs.disable_log_stats:
+        false`` (all zeros otherwise) and the batched engine."""
+        names = {
+            "vllm:prefix_cache_queries": "queries",
+            "vllm:prefix_cache_hits": "hits",
+            "vllm:prompt_tokens": "prompt_tokens",
+            "vllm:prompt_tokens_cached": "prompt_tokens_cached",
+        }
+        out = dict.fromkeys(names.values(), 0.0)
+        llm = getattr(self.engine, "llm", None)
+        if llm is None:
+            return out
+        for metric in llm.get_metrics():
+            if metric.name in names:
+                out[names[metric.name]] += float(getattr(metric, "value", 0) or 0)
+        return out
 
     @endpoint
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor] | str, version: int) -> int:
@@ -285,11 +388,6 @@ class Policy(ForgeActor):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
-
-    @endpoint
-    async def drain_metrics(self) -> list[tuple[str, float, str]]:
-        """Metric records made here since the last drain (``forge.observability``)."""
-        return drain_local_metrics()
 
     @endpoint
     async def engine_stats(self) -> dict[str, float]:

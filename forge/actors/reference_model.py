@@ -6,13 +6,21 @@ Callers send one ``(prompt_ids, response_ids)`` pair each::
 
 and get back the per-token logprobs of the response (float32 ``[T]``). The service prebatches
 pairs by *length bucket* (the ``Batching`` key), so a batch holds sequences of similar length
-and its right padding stays small; one forward pass scores the whole batch. Each batch records
-``reference/padding_fraction`` (pad tokens / all tokens in the padded batch) and
+and its right padding stays small; one forward pass scores the whole batch. A batch holds at
+most ``TOKEN_BUDGET`` tokens (``Batching(size_fn=pair_tokens)``), not a number of sequences:
+memory grows with tokens, and 64 truncated 700-token responses in one pass would not fit a GPU.
+Logits are computed for response tokens only, in chunks (``forge.models.padded_token_logprobs``).
+Each batch records ``reference/padding_fraction`` (pad tokens / all tokens in the padded batch) and
 ``reference/batch_size`` with ``forge.observability.record_metric``; the controller collects
 them once a step with ``drain_metrics()``.
 
 The logprobs use the sampler's temperature (``log_softmax(logits / T)``), like the trainer's
 and vLLM's processed logprobs, so the k3 KL compares like with like.
+
+With ``procs=N`` a replica is one SPMD mesh, like the trainer (``forge.distributed``): the frozen
+model is sharded with FSDP2 per decoder layer (each rank holds about 1/N of it), every rank gets
+the batch, scores its share of the pairs in one forward pass and the scores are gathered; rank 0
+answers for the replica.
 """
 
 from __future__ import annotations
@@ -24,15 +32,24 @@ from dataclasses import dataclass
 import torch
 
 from forge.controller import Batching, ForgeActor, endpoint
+from forge.distributed import SpmdRank, gather_objects, init_spmd, local_state_bytes, shard_model, shutdown_spmd
 from forge.models import sequence_logprobs
-from forge.observability import drain_local_metrics, record_metric
+from forge.observability import record_metric
 
-__all__ = ["PackedPairs", "ReferenceConfig", "ReferenceModel", "length_bucket"]
+__all__ = ["TOKEN_BUDGET", "PackedPairs", "ReferenceConfig", "ReferenceModel", "length_bucket", "pair_tokens"]
+
+TOKEN_BUDGET = 16384
+"""Most prompt + response tokens in one reference batch (padding adds under 25%: see buckets)."""
 
 # Lengths up to this share one bucket; above it each bucket spans ~25% more tokens, so a batch
 # pads each sequence by less than a quarter of its length.
 _BUCKET_BASE = 32
 _BUCKET_GROWTH = 1.25
+
+
+def pair_tokens(pair: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Batching size of a pair: its tokens, prompt + response."""
+    return int(pair[0].numel()) + int(pair[1].numel())
 
 
 def length_bucket(pair: tuple[torch.Tensor, torch.Tensor]) -> int:
@@ -81,6 +98,8 @@ class ReferenceConfig:
     """Weights dtype (``bfloat16`` on GPUs)."""
     pad_id: int = 0
     """Token id used for padding (masked out; any valid id works)."""
+    dist_timeout_s: float = 300.0
+    """Longest the ranks of a ``procs > 1`` replica wait for each other."""
 
 
 class ReferenceModel(ForgeActor):
@@ -95,11 +114,11 @@ class ReferenceModel(ForgeActor):
     async def setup(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda")
+        self.rank: SpmdRank = await init_spmd(timeout_s=self.config.dist_timeout_s)
+        self.device = self.rank.device
         dtype = getattr(torch, self.config.dtype)
         model = AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=dtype)
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model = shard_model(model.to(self.device).eval().requires_grad_(False), self.rank)
 
     @staticmethod
     def pack_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> PackedPairs:
@@ -116,7 +135,12 @@ class ReferenceModel(ForgeActor):
 
     @endpoint(
         batch=Batching(
-            max_size=256, max_wait_s=0.002, key=length_bucket, enbatch="pack_pairs", debatch="split_logprobs"
+            max_size=TOKEN_BUDGET,
+            size_fn=pair_tokens,
+            max_wait_s=0.002,
+            key=length_bucket,
+            enbatch="pack_pairs",
+            debatch="split_logprobs",
         )
     )
     async def logprobs(
@@ -131,14 +155,33 @@ class ReferenceModel(ForgeActor):
         if not isinstance(pairs, PackedPairs):
             pairs = PackedPairs.pack(pairs)
         prompts, responses = pairs.unpack()
-        out = sequence_logprobs(self.model, prompts, responses, self.config.temperature, self.config.pad_id)
-        lengths = [p + r for p, r in zip(pairs.prompt_lens, pairs.response_lens)]
-        record_metric("reference/padding_fraction", 1.0 - sum(lengths) / (max(lengths) * len(lengths)))
-        record_metric("reference/batch_size", len(lengths))
-        record_metric("reference/forward_s", time.perf_counter() - t0, "sum")
+        out = self._score(prompts, responses)
+        if self.rank.is_main:  # rank 0 answers (and is drained) for the replica
+            lengths = [p + r for p, r in zip(pairs.prompt_lens, pairs.response_lens)]
+            record_metric("reference/padding_fraction", 1.0 - sum(lengths) / (max(lengths) * len(lengths)))
+            record_metric("reference/batch_size", len(lengths))
+            record_metric("reference/forward_s", time.perf_counter() - t0, "sum")
         return torch.cat(out), pairs.response_lens
 
+    def _score(self, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every pair's logprobs; on a sharded replica each rank scores a contiguous share."""
+        cfg = self.config
+        if not self.rank.distributed:
+            return sequence_logprobs(self.model, prompts, responses, cfg.temperature, cfg.pad_id)
+        share = math.ceil(len(prompts) / self.rank.world_size)
+        lo = min(self.rank.rank * share, len(prompts))
+        hi = min(lo + share, len(prompts))
+        # A rank without pairs still runs one forward pass (on a stand-in it drops): FSDP's
+        # all-gathers must pair up across the ranks.
+        mine = (prompts[lo:hi], responses[lo:hi]) if hi > lo else (prompts[:1], responses[:1])
+        scored = sequence_logprobs(self.model, *mine, cfg.temperature, cfg.pad_id)
+        return [t for part in gather_objects(scored if hi > lo else [], self.rank) for t in part]
+
     @endpoint
-    async def drain_metrics(self) -> list[tuple[str, float, str]]:
-        """Metric records made here since the last drain (``forge.observability``)."""
-        return drain_local_metrics()
+    async def state_bytes(self) -> int:
+        """Bytes of weights this rank holds (its shards)."""
+        return local_state_bytes(self.model)
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        """Monarch's stop hook: leave the process group."""
+        shutdown_spmd()

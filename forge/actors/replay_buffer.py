@@ -10,11 +10,17 @@ Sampling takes groups out (each group trains once), oldest first, so data is use
 it was generated. A group is an ``EpisodeBatch`` (its episodes packed into flat tensors, cheap
 to send). ``GroupBuffer`` holds the logic and is tested directly; ``ReplayBuffer`` is the actor
 around it.
+
+Every group is accounted for: ``added == sampled + dropped_stale + dropped_full + size``, and a
+group whose ``group_id`` was added before is refused and counted in ``duplicates`` instead of
+being stored, so no group trains twice (a rollout that is generated again after a replica died
+keeps its ``group_id``).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass
 
 from forge.controller import ForgeActor, endpoint
@@ -30,21 +36,38 @@ def group_version(group: EpisodeBatch) -> int:
 
 @dataclass
 class BufferStats:
-    """Counters since the buffer started."""
+    """Counters since the buffer started; ``added == sampled + evicted + size`` always holds."""
 
     added: int = 0
+    """Groups stored."""
     sampled: int = 0
+    """Groups handed out for training (each group once)."""
     evicted: int = 0
+    """Groups dropped unused: ``dropped_stale + dropped_full``."""
     size: int = 0
+    """Groups held now."""
+    dropped_stale: int = 0
+    """Dropped for being older than ``max_policy_age``."""
+    dropped_full: int = 0
+    """Dropped (oldest first) because the buffer was at ``capacity``."""
+    duplicates: int = 0
+    """Adds refused because a group with that ``group_id`` was added before."""
+
+    @property
+    def balanced(self) -> bool:
+        """Whether every group added is sampled, dropped or still held (nothing lost)."""
+        return self.added == self.sampled + self.evicted + self.size
 
 
 @dataclass
 class Sample:
     """What ``ReplayBuffer.sample`` returns: the batch (None if too few groups) and the number of
-    stale groups the call evicted, so a caller that counts outstanding groups can keep count."""
+    stale groups the call evicted, so a caller that counts outstanding groups can keep count;
+    ``stats``: the buffer's counters after the call (the run logs them every step)."""
 
     groups: list[EpisodeBatch] | None
     evicted: int
+    stats: BufferStats | None = None
 
 
 class GroupBuffer:
@@ -64,13 +87,15 @@ class GroupBuffer:
         self.max_policy_age = max_policy_age
         self.capacity = capacity
         self._groups: collections.deque[EpisodeBatch] = collections.deque()
+        self._seen: set[str] = set()  # every group_id ever added: a second add is a duplicate
         self.stats = BufferStats()
 
     def __len__(self) -> int:
         return len(self._groups)
 
-    def add(self, group: EpisodeBatch) -> None:
-        """Append one group (all its episodes share a ``group_id``)."""
+    def add(self, group: EpisodeBatch) -> bool:
+        """Append one group (all its episodes share a ``group_id``); False if its ``group_id``
+        was added before (the group is then refused and counted in ``duplicates``)."""
         if not isinstance(group, EpisodeBatch):
             raise TypeError(f"a group must be an EpisodeBatch, got {type(group).__name__}")
         if len(group) == 0:
@@ -78,11 +103,18 @@ class GroupBuffer:
         ids = set(group.group_ids)
         if len(ids) != 1:
             raise ValueError(f"a group's episodes must share one group_id, got {sorted(ids)}")
+        (group_id,) = ids
+        if group_id in self._seen:
+            self.stats.duplicates += 1
+            return False
+        self._seen.add(group_id)
         if self.capacity is not None and len(self._groups) >= self.capacity:
             self._groups.popleft()
             self.stats.evicted += 1
+            self.stats.dropped_full += 1
         self._groups.append(group)
         self.stats.added += 1
+        return True
 
     def evict(self, policy_version: int) -> int:
         """Drop every group too old to train at ``policy_version``; return how many."""
@@ -91,6 +123,7 @@ class GroupBuffer:
         dropped = len(self._groups) - len(kept)
         self._groups = kept
         self.stats.evicted += dropped
+        self.stats.dropped_stale += dropped
         return dropped
 
     def sample(self, num_groups: int, policy_version: int) -> list[EpisodeBatch] | None:
@@ -105,7 +138,7 @@ class GroupBuffer:
         return batch
 
     def snapshot(self) -> BufferStats:
-        return BufferStats(self.stats.added, self.stats.sampled, self.stats.evicted, len(self._groups))
+        return dataclasses.replace(self.stats, size=len(self._groups))
 
 
 class ReplayBuffer(ForgeActor):
@@ -121,11 +154,10 @@ class ReplayBuffer(ForgeActor):
         return len(self.buffer)
 
     @endpoint
-    async def add_many(self, groups: list[EpisodeBatch]) -> int:
-        """Store several groups (one message for all); returns the number of groups held."""
-        for group in groups:
-            self.buffer.add(group)
-        return len(self.buffer)
+    async def add_many(self, groups: list[EpisodeBatch]) -> list[bool]:
+        """Store several groups (one message for all); per group, whether it was stored (False:
+        a duplicate ``group_id``, refused)."""
+        return [self.buffer.add(group) for group in groups]
 
     @endpoint
     async def sample(self, num_groups: int, policy_version: int) -> Sample:
@@ -133,7 +165,7 @@ class ReplayBuffer(ForgeActor):
         and how many stale groups were evicted on the way."""
         before = self.buffer.stats.evicted
         groups = self.buffer.sample(num_groups, policy_version)
-        return Sample(groups, self.buffer.stats.evicted - before)
+        return Sample(groups, self.buffer.stats.evicted - before, self.buffer.snapshot())
 
     @endpoint
     async def stats(self) -> BufferStats:

@@ -18,7 +18,7 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 
 from forge.controller import Batching, ForgeActor, endpoint
-from forge.observability import drain_local_metrics, record_metric
+from forge.observability import record_metric
 from forge.types import Prompt
 
 __all__ = ["RewardActor", "RewardFn", "resolve_reward"]
@@ -63,11 +63,6 @@ class RewardActor(ForgeActor):
         """The reward of each (prompt, response text) pair; a failing pair fails alone."""
         record_metric("reward/batch_size", len(items))
         return [self._score_one(prompt, text) for prompt, text in items]
-
-    @endpoint
-    async def drain_metrics(self) -> list[tuple[str, float, str]]:
-        """Metric records made here since the last drain (``forge.observability``)."""
-        return drain_local_metrics()
 
     def _score_one(self, prompt: Prompt, text: str) -> float | Exception:
         total = 0.0

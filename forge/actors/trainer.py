@@ -1,29 +1,42 @@
 """``Trainer``: a ``transformers`` causal LM trained with the GRPO loss, publishing versioned weights.
 
-::
+One trainer is ONE actor mesh of ``procs`` ranks (SPMD): with more than one, the ranks form a
+torch.distributed process group (``forge.distributed``: gloo on CPU, NCCL on GPUs) and the model
+is sharded with FSDP2 per decoder layer, so each rank holds about ``1/procs`` of the parameters,
+gradients and optimizer state. Every rank gets every call; ``call_spmd`` makes that one call and
+returns rank 0's answer::
 
-    trainer = await Trainer.options(procs=1).as_actor(TrainerConfig(model_path=...))
-    metrics = await trainer.train_step.call_one(batch)        # EpisodeBatch: one optimizer step
-    state_dict, version = await trainer.weights.call_one()   # tensors, never lists
+    trainer = await Trainer.options(procs=2).as_actor(TrainerConfig(model_path=...))
+    metrics = await call_spmd(trainer.train_step, batch)         # EpisodeBatch: one optimizer step
+    state_dict, version = await call_spmd(trainer.weights)       # full tensors, gathered once
     await policy.update_weights.fanout(state_dict, version)
-    await trainer.save_checkpoint.call_one(step, {"dataset_position": n})   # every N steps
-    step, version, extra = await trainer.load_checkpoint.call_one(path)   # on --resume
+    await call_spmd(trainer.save_checkpoint, step, {"dataset_position": n})   # every N steps
+    step, version, extra = await call_spmd(trainer.load_checkpoint, path)    # on --resume
+    await call_spmd(trainer.export_model, "outputs/final_model")   # a Hugging Face folder
+
+A step splits the batch: rank ``r`` trains on the ``r``-th of ``procs`` equal slices, in
+micro-batches of ``micro_batch_size`` with gradient accumulation. The loss is normalised by the
+*global* counts (sequences for the loss, tokens for token means), so the update and the logged
+statistics equal a one-rank step on the whole batch; gradients are summed across ranks and
+clipped on their global norm.
 
 The trainer's logprobs are ``log_softmax(logits / temperature)`` at the sampler's temperature,
 the same quantity vLLM reports as ``processed_logprobs``, so the importance ratio against the
 behaviour logprobs is exactly 1 for on-policy data. ``version`` counts optimizer steps: the
 initial weights are version 0, and the weights after step ``k`` are version ``k``.
 
-Checkpoints (``forge.checkpoint``) are complete for the trainer: weights, optimizer state, step,
-policy version and this process's RNG states, so a resumed trainer takes exactly the step the
-killed one would have taken on the same batch. The caller adds its own state as ``extra``.
+Checkpoints (``forge.checkpoint``, torch.distributed.checkpoint) are complete for the trainer:
+weights, optimizer state (each rank writes its shard), step, policy version and every rank's RNG
+states, so a resumed trainer with the same number of ranks takes exactly the step the killed one
+would have taken on the same batch. They load into another number of ranks too. The caller adds
+its own state as ``extra``.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +44,26 @@ import torch
 
 from forge import checkpoint
 from forge.controller import ForgeActor, endpoint
-from forge.losses import grpo_loss
-from forge.models import pack_right_padded, padded_token_logprobs
+from forge.distributed import (
+    SpmdRank,
+    all_reduce_max,
+    all_reduce_sum,
+    full_state_dict,
+    init_spmd,
+    local_state_bytes,
+    shard_model,
+    shutdown_spmd,
+)
+from forge.losses import grpo_loss, trainable_lengths
+from forge.models import PaddedBatch, pack_right_padded, padded_token_logprobs
 from forge.types import Episode, EpisodeBatch
 
 __all__ = ["Trainer", "TrainerConfig", "TrainerSettings"]
 
 _TIED_HEAD = "lm_head.weight"
+# Statistics that are means over tokens; ``*_max`` ones are maxima; the rest are means over
+# sequences, like the loss.
+_TOKEN_MEANS = frozenset({"kl", "clip_fraction", "ratio_mean", "mismatch_mean"})
 
 
 @dataclass(kw_only=True)
@@ -57,17 +83,37 @@ class TrainerSettings:
     clip_eps_high: float | None = None
     """Upper clip range (DAPO's clip-higher); None means ``clip_eps``."""
     beta: float = 0.04
-    """Weight of the k3 KL to the reference model."""
+    """Weight of the k3 KL to the reference model (0 leaves the KL out of the loss)."""
+    dual_clip: float | None = None
+    """Dual-clip bound (> 1, e.g. 3; verl's ``clip_ratio_c``): for a negative advantage a token's
+    loss is at most ``dual_clip * |A|``, however far vLLM's logprob is below the trainer's.
+    None: off. See ``forge.losses.grpo``."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (> 0, e.g. 2; TRL's and verl's vLLM correction): each
+    token's loss is weighted by ``min(exp(trainer - behaviour logprob), tis_cap)``. None: off."""
+    mask_truncated: bool = False
+    """Leave completions cut at ``policy.max_tokens`` (``finish_reason`` length) out of the loss."""
+    logprob_chunk_tokens: int = 512
+    """Tokens whose logits are computed at once (``forge.models.padded_token_logprobs``): the
+    full ``[B, T, V]`` logits never exist, so memory grows with this, not with the batch."""
     micro_batch_size: int = 0
-    """Sequences per forward/backward pass (gradients accumulate); 0 means the whole batch."""
+    """Sequences per forward/backward pass on each rank (gradients accumulate); 0 means the
+    rank's whole slice of the batch."""
     dtype: str = "float32"
     """Dtype of the trained weights."""
     publish_dtype: str | None = None
     """Dtype of the weights sent to the policy (e.g. ``bfloat16``); None keeps ``dtype``."""
     num_threads: int = 0
-    """CPU threads for torch; 0 keeps torch's default."""
+    """CPU threads for torch in each rank; 0 keeps torch's default."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep; older ones are deleted after each save."""
+    dist_backend: str | None = None
+    """torch.distributed backend when ``procs > 1``: None picks ``nccl`` on GPUs, ``gloo`` on CPU."""
+    dist_timeout_s: float = 300.0
+    """Longest the ranks wait for each other (rendezvous and every collective)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free each layer's gathered weights after its forward (gather them again for the
+    backward). False gathers once per micro-batch: less communication, more memory in a step."""
 
 
 @dataclass(kw_only=True)
@@ -82,17 +128,21 @@ class TrainerConfig(TrainerSettings):
     pad_id: int = 0
     """Token id used for padding (masked out)."""
     seed: int = 0
-    """Torch seed of this process."""
+    """Torch seed of each rank."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """The policy's stop tokens: a response trains up to its first one, inclusive."""
     checkpoint_dir: str | None = None
     """Where ``save_checkpoint`` writes full checkpoints (``<dir>/step_<N>``); None disables it."""
 
 
 class Trainer(ForgeActor):
-    """Holds the model and optimizer; ``train_step``, ``weights``, ``save_checkpoint``, ``load_checkpoint``."""
+    """Holds the model and optimizer (sharded over the mesh's ranks); ``train_step``, ``weights``,
+    ``publish_weights``, ``save_checkpoint``, ``load_checkpoint``, ``export_model``."""
 
     # -- configuration
     config: TrainerConfig
     # -- model state, built in setup
+    rank: SpmdRank
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     device: torch.device
@@ -115,59 +165,112 @@ class Trainer(ForgeActor):
         cfg = self.config
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
+        self.rank = await init_spmd(cfg.dist_backend, cfg.dist_timeout_s)
+        self.device = self.rank.device
         torch.manual_seed(cfg.seed)
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda")
         model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=getattr(torch, cfg.dtype))
-        self.model = model.to(self.device).train()
+        self.model = shard_model(model.to(self.device).train(), self.rank, cfg.reshard_after_forward)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
         )
 
     @endpoint
     async def train_step(self, batch: EpisodeBatch | list[Episode]) -> dict[str, float]:
-        """One optimizer step on the batch; returns loss statistics and the new version."""
+        """One optimizer step on the batch (this rank trains on its slice); returns the global
+        loss statistics and the new version."""
         episodes = batch.unpack() if isinstance(batch, EpisodeBatch) else list(batch)
+        world, rank = self.rank.world_size, self.rank.rank
         if not episodes:
             raise ValueError("train_step needs at least one episode, got none")
+        if len(episodes) % world:
+            raise ValueError(
+                f"train_step got {len(episodes)} episodes, which {world} ranks cannot split evenly; "
+                "send a multiple of the trainer's procs (prompts_per_step x group_size)"
+            )
         cfg = self.config
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        size = cfg.micro_batch_size or len(episodes)
+        share = len(episodes) // world
+        mine = episodes[rank * share : (rank + 1) * share]
+        size = cfg.micro_batch_size or share
+        # Every rank runs the same number of micro-batches: FSDP's collectives must pair up.
+        micro = [self._pack(mine[start : start + size]) for start in range(0, share, size)]
+        local = {
+            "sequences": float(sum(_trained_sequences(b) for b in micro)),
+            "tokens": float(sum(int(b.loss_mask.sum()) for b in micro)),
+        }
+        counts = all_reduce_sum(local, self.rank)  # the whole batch's, as one rank would see it
         totals: dict[str, float] = {}
-        tokens = 0
-        for start in range(0, len(episodes), size):
-            chunk = episodes[start : start + size]
-            weight = len(chunk) / len(episodes)
-            loss, stats, n_tokens = self._loss(chunk)
-            (loss * weight).backward()
-            tokens += n_tokens
+        maxima: dict[str, float] = {}
+        for chunk, packed in zip(_chunks(mine, size), micro):
+            loss, stats = self._loss(chunk, packed)
+            n_seqs, n_tokens = _trained_sequences(packed), int(packed.loss_mask.sum())
+            seq_weight = n_seqs / max(counts["sequences"], 1.0)
+            tok_weight = n_tokens / max(counts["tokens"], 1.0)
+            (loss * seq_weight).backward()  # summed over micro-batches and ranks: the global mean
             for name, value in {"loss": loss.detach(), **stats}.items():
+                if name.endswith("_max"):
+                    maxima[name] = max(maxima.get(name, float("-inf")), float(value))
+                    continue
+                weight = tok_weight if name in _TOKEN_MEANS else seq_weight
                 totals[name] = totals.get(name, 0.0) + weight * float(value)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if cfg.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        totals = {**all_reduce_sum(totals, self.rank), **all_reduce_max(maxima, self.rank)}
+        grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.version += 1
         return {
             **totals,
-            "grad_norm": float(grad_norm),
-            "tokens": float(tokens),
+            "grad_norm": grad_norm,
+            "tokens": counts["tokens"],
             "train_s": time.perf_counter() - t0,
+            # This process's CPU time (rank 0's): the work a rank did, whatever else shares the cores.
+            "train_cpu_s": time.process_time() - cpu0,
             "policy_version": float(self.version),
         }
 
-    def _loss(self, episodes: list[Episode]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-        """GRPO loss of one micro-batch; per-token inputs are laid out like the logprobs."""
+    def _clip_gradients(self) -> float:
+        """Clip on the global norm of all gradients (FSDP2's sharded grads are DTensors: the norm
+        is reduced over the ranks) and return that norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.config.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _pack(self, episodes: list[Episode]) -> PaddedBatch:
         cfg = self.config
-        batch = pack_right_padded([e.prompt_ids for e in episodes], [e.response_ids for e in episodes], cfg.pad_id)
-        logprobs = padded_token_logprobs(
-            self.model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device), cfg.temperature
-        )  # [B, L-1]
+        responses = [e.response_ids for e in episodes]
+        # Nothing after the first stop token is trained; with mask_truncated, nothing of a cut one.
+        keep = trainable_lengths(
+            responses,
+            [e.finish_reason for e in episodes],
+            stop_token_ids=cfg.stop_token_ids,
+            mask_truncated=cfg.mask_truncated,
+        )
+        # A multi-turn episode's own mask says what is trained: there a stop token ends a turn, not the response.
+        keep = [int(e.response_ids.numel()) if e.loss_mask is not None else n for e, n in zip(episodes, keep)]
+        batch = pack_right_padded([e.prompt_ids for e in episodes], responses, cfg.pad_id, keep)
+        if any(e.loss_mask is not None for e in episodes):
+            batch.loss_mask = batch.loss_mask & _token_loss_mask(episodes, batch.response_mask)
+        return batch
+
+    def _loss(self, episodes: list[Episode], batch: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """GRPO loss of one micro-batch (its mean over its sequences); per-token inputs are laid
+        out like the logprobs."""
+        cfg = self.config
         mask = batch.response_mask.to(self.device)  # [B, L-1]
+        logprobs = padded_token_logprobs(
+            self.model,
+            batch.input_ids.to(self.device),
+            batch.attention_mask.to(self.device),
+            cfg.temperature,
+            positions=mask,  # logits of response tokens only, in chunks
+            chunk_tokens=cfg.logprob_chunk_tokens,
+        )  # [B, L-1]
         # Outside the mask, behaviour and reference equal the current logprobs (ratio 1, KL 0), so
         # no pad position can overflow exp() and poison the masked sums with inf * 0.
         behaviour = logprobs.detach().clone()
@@ -175,23 +278,26 @@ class Trainer(ForgeActor):
         behaviour[mask] = torch.cat([e.behaviour_logprobs for e in episodes]).to(self.device, logprobs.dtype)
         reference[mask] = torch.cat([e.ref_logprobs for e in episodes]).to(self.device, logprobs.dtype)
         advantages = torch.tensor([e.advantage for e in episodes], dtype=logprobs.dtype, device=self.device)
-        loss, stats = grpo_loss(
+        return grpo_loss(
             logprobs,
             behaviour,
             reference,
             advantages,
-            mask,
+            batch.loss_mask.to(self.device),  # a multi-turn episode's environment tokens are out
             clip_eps=cfg.clip_eps,
             clip_eps_high=cfg.clip_eps_high,
             beta=cfg.beta,
+            dual_clip=cfg.dual_clip,
+            tis_cap=cfg.tis_cap,
         )
-        return loss, stats, int(mask.sum())
 
     @endpoint
     async def weights(self) -> tuple[dict[str, torch.Tensor], int]:
-        """The current weights (checkpoint names, CPU tensors) and their version.
+        """The current weights (checkpoint names, full CPU tensors) and their version.
 
-        A tied ``lm_head.weight`` is left out (the policy restores it from the embedding).
+        The shards are gathered once, into rank 0, which answers with the tensors; other ranks
+        answer ``{}``. A tied ``lm_head.weight`` is left out (the policy restores it from the
+        embedding).
         """
         return self._state_dict(), self.version
 
@@ -200,18 +306,22 @@ class Trainer(ForgeActor):
         """Write the weights as one safetensors file under ``folder``; return (path, version).
 
         On one host, with ``folder`` in ``/dev/shm``, this hands the policy a file to load
-        instead of a message to deserialise. The previous version's file is removed, and on the
-        first call so are the files of trainers that were killed (their process is gone).
+        instead of a message to deserialise. Rank 0 writes it (other ranks return ``""``). The
+        previous version's file is removed, and on the first call so are the files of trainers
+        that were killed (their process is gone).
         """
         from safetensors.torch import save_file
 
+        state = self._state_dict()
+        if not self.rank.is_main:
+            return "", self.version
         Path(folder).mkdir(parents=True, exist_ok=True)
         if self._publish_count == 0:
             _remove_orphaned_weights(folder)
         self._publish_count += 1
         path = os.path.join(folder, f"weights-{os.getpid()}-{self._publish_count}-v{self.version}.safetensors")
         tmp = path + ".tmp"
-        save_file({k: v.contiguous() for k, v in self._state_dict().items()}, tmp)
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp)
         os.replace(tmp, path)
         self._published.append(path)
         while len(self._published) > 2:  # the policy may still be reading the previous one
@@ -224,58 +334,71 @@ class Trainer(ForgeActor):
     async def save_checkpoint(self, step: int, extra: dict[str, Any] | None = None) -> str | None:
         """Save a full checkpoint of training ``step`` under ``checkpoint_dir``; return its folder.
 
-        It holds the weights (safetensors, in the training dtype, Hugging Face names), the
-        optimizer state, ``step``, the policy version, this process's Python/torch/CUDA RNG
-        states and ``extra`` (the caller's own state, e.g. its dataset position). Only the
-        newest ``keep_checkpoints`` are kept. Returns None when ``checkpoint_dir`` is None.
+        Every rank writes its shard of the weights and optimizer state (torch.distributed.checkpoint),
+        plus ``step``, the policy version, every rank's Python/torch/CUDA RNG states and ``extra``
+        (the caller's own state, e.g. its dataset position). Only the newest
+        ``keep_checkpoints`` are kept. Returns None when ``checkpoint_dir`` is None.
         """
         cfg = self.config
         if cfg.checkpoint_dir is None:
             return None
-        state = checkpoint.TrainingState(
-            step=step,
-            policy_version=self.version,
-            optimizer=self.optimizer.state_dict(),
-            rng=checkpoint.capture_rng(),
-            extra=dict(extra or {}),
+        state = checkpoint.TrainingState(step=step, policy_version=self.version, extra=dict(extra or {}))
+        path = checkpoint.save_checkpoint(
+            cfg.checkpoint_dir, self.model, self.optimizer, state, keep=cfg.keep_checkpoints, where=self.rank
         )
-        path = checkpoint.save_checkpoint(cfg.checkpoint_dir, self.model.state_dict(), state, keep=cfg.keep_checkpoints)
         return str(path)
 
     @endpoint
     async def load_checkpoint(self, path: str) -> tuple[int, int, dict[str, Any]]:
         """Restore the weights, optimizer state, policy version and RNG states saved at ``path``.
 
-        Returns ``(step, policy_version, extra)`` for the caller to restore its own state. The
+        The checkpoint may come from another number of ranks (it is resharded on load). Returns
+        ``(step, policy_version, extra)`` for the caller to restore its own state. The
         optimizer's hyperparameters (``lr``, ``betas``, ``weight_decay``) come from this
         trainer's config, not the checkpoint, so a resumed run may change them. A checkpoint
         whose parameter names or shapes differ from the model's is a ``ValueError``.
         """
-        weights, state = checkpoint.load_checkpoint(path)
-        self._check_fits(weights, path)
-        self.model.load_state_dict(weights)
-        self.optimizer.load_state_dict(state.optimizer)
+        self._check_fits(path)
+        state = checkpoint.load_checkpoint(path, self.model, self.optimizer, where=self.rank)
         cfg = self.config
         for group in self.optimizer.param_groups:
             group.update(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-        checkpoint.restore_rng(state.rng)
         self.version = state.policy_version
         return state.step, state.policy_version, state.extra
 
-    def _check_fits(self, weights: dict[str, torch.Tensor], path: str) -> None:
-        own = self.model.state_dict()
+    def _check_fits(self, path: str) -> None:
+        saved = checkpoint.checkpoint_shapes(path)
+        # Global shapes: a sharded parameter is a DTensor whose .shape is the whole tensor's.
+        own = {name: tuple(p.shape) for name, p in self.model.state_dict().items()}
         fix = f"resume with the model the checkpoint was written for (model.path is {self.config.model_path})"
-        missing, unexpected = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
+        missing, unexpected = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}; {fix}"
             )
-        for name, tensor in own.items():
-            if weights[name].shape != tensor.shape:
+        for name, shape in own.items():
+            if saved[name] != shape:
                 raise ValueError(
-                    f"checkpoint {path} does not fit the model: {name} is {list(weights[name].shape)} in the "
-                    f"checkpoint but {list(tensor.shape)} in the model; {fix}"
+                    f"checkpoint {path} does not fit the model: {name} is {list(saved[name])} in the "
+                    f"checkpoint but {list(shape)} in the model; {fix}"
                 )
+
+    @endpoint
+    async def export_model(self, folder: str) -> str:
+        """Write the current weights as a Hugging Face folder (config, safetensors, tokenizer) that
+        ``transformers`` and vLLM load; return its path. Rank 0 writes it."""
+        state = full_state_dict(self.model, self.rank)
+        if self.rank.is_main:
+            from forge.staging import staged_folder
+
+            with staged_folder(Path(folder), prefix=".tmp_export_") as tmp:
+                _write_hf_folder(self.model, state, self.config.model_path, tmp)
+        return folder
+
+    @endpoint
+    async def state_bytes(self) -> int:
+        """Bytes of parameters and optimizer state this rank holds (its shards)."""
+        return local_state_bytes(self.model, self.optimizer)
 
     @endpoint
     async def cleanup(self) -> None:
@@ -283,8 +406,10 @@ class Trainer(ForgeActor):
         self._remove_published()
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
-        """Monarch's stop hook: published weight files must not outlive the run."""
+        """Monarch's stop hook: published weight files must not outlive the run; leave the
+        process group."""
         self._remove_published()
+        shutdown_spmd()
 
     def _remove_published(self) -> None:
         for path in self._published:
@@ -293,10 +418,11 @@ class Trainer(ForgeActor):
         self._published.clear()
 
     def _state_dict(self) -> dict[str, Any]:
+        """Full weights on rank 0 (publish dtype, tied head left out); ``{}`` on other ranks."""
         dtype = getattr(torch, self.config.publish_dtype) if self.config.publish_dtype else None
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         out = {}
-        for name, tensor in self.model.state_dict().items():
+        for name, tensor in full_state_dict(self.model, self.rank).items():
             if tied and name == _TIED_HEAD:
                 continue
             t = tensor.detach()
@@ -304,6 +430,50 @@ class Trainer(ForgeActor):
                 t = t.to(dtype)
             out[name] = t.cpu()
         return out
+
+
+def _token_loss_mask(episodes: list[Episode], response_mask: torch.Tensor) -> torch.Tensor:
+    """The episodes' own per-token loss masks (``Episode.loss_mask``; all-true where None) laid
+    out like ``response_mask`` [B, L-1]."""
+    pieces = []
+    for i, e in enumerate(episodes):
+        n = int(e.response_ids.numel())
+        if e.loss_mask is None:
+            pieces.append(torch.ones(n, dtype=torch.bool))
+        elif e.loss_mask.shape != (n,):
+            raise ValueError(
+                f"episode {i} ({e.group_id}): loss_mask has shape {tuple(e.loss_mask.shape)}, expected ({n},)"
+            )
+        else:
+            pieces.append(e.loss_mask.bool())
+    laid_out = torch.zeros_like(response_mask)
+    laid_out[response_mask] = torch.cat(pieces)
+    return laid_out
+
+
+def _trained_sequences(batch: PaddedBatch) -> int:
+    """Sequences with at least one trained token: what the loss's mean over sequences counts."""
+    return int((batch.loss_mask.sum(1) > 0).sum())
+
+
+def _chunks(items: list[Episode], size: int) -> list[list[Episode]]:
+    return [items[start : start + size] for start in range(0, len(items), size)]
+
+
+def _write_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, folder: Path) -> None:
+    """``config.json``, ``model.safetensors`` (a tied head stored once) and the tokenizer of
+    ``source``: what ``from_pretrained`` and vLLM read."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    tensors = {k: v.contiguous() for k, v in state.items() if not (tied and k == _TIED_HEAD)}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
 
 
 def _remove_orphaned_weights(folder: str) -> None:

@@ -19,7 +19,8 @@ from forge.controller.errors import (
     RequestTimeout,
     ServiceStopped,
 )
-from forge.controller.multiplex import ModelAware, Multiplexing, model_loader
+from forge.controller.hosts import HostPool, NotEnoughHosts
+from forge.controller.multiplex import Multiplexing, model_loader
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import InsufficientGpus, split_gpus
 from forge.controller.quiet import quiet_monarch
@@ -27,6 +28,7 @@ from forge.controller.replica import ReplicaState
 from forge.controller.routing import (
     KeyAffinity,
     LeastLoaded,
+    ModelAware,
     RoundRobin,
     Router,
     RouteRequest,
@@ -45,6 +47,7 @@ __all__ = [
     "EndpointHandle",
     "ForgeActor",
     "ForgeError",
+    "HostPool",
     "InsufficientGpus",
     "KeyAffinity",
     "LeastLoaded",
@@ -52,6 +55,7 @@ __all__ = [
     "ModelLoadError",
     "Multiplexing",
     "NoHealthyReplica",
+    "NotEnoughHosts",
     "Overloaded",
     "ReplicaFailed",
     "ReplicaState",

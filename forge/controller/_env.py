@@ -15,6 +15,9 @@ import sys
 DEFAULTS = {
     # Failure detection: ~10 s by default, ~1 s with this (values under ~500ms were flaky).
     "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY": "1s",
+    # A process on a host whose worker died never answers a state query: Monarch reports it
+    # failed ("no status received from process") after this long instead of a minute.
+    "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "10s",
     # Monarch's own log file grows ~80 KB per script at the default level.
     "MONARCH_FILE_LOG": "error",
 }

@@ -35,7 +35,7 @@ from forge.controller.endpoint import endpoint
 from forge.controller.errors import ForgeError
 from forge.controller.multiplex import model_store
 from forge.controller.options import ActorOptions
-from forge.controller.provisioner import spawn_proc_mesh, split_gpus, visible_gpus
+from forge.controller.provisioner import place_replica, replica_gpus
 from forge.controller.replica import await_with_timeout, translate_error
 from forge.controller.service import Service, ServiceInterface
 
@@ -57,6 +57,15 @@ class ForgeActor(Actor):
         """Liveness probe of the service's health loop (concurrent: never queues behind a
         request that is waiting on I/O)."""
         return True
+
+    @endpoint
+    async def drain_metrics(self) -> list[tuple[str, float, str]]:
+        """The metric records this process made since the last drain (``forge.observability``'s
+        ``record_metric``); a controller gathers them, e.g. once a step."""
+        # Imported here: forge.observability imports matplotlib, which only recording actors need.
+        from forge.observability.metrics import drain_local_metrics
+
+        return drain_local_metrics()
 
     @endpoint(concurrent=True)
     async def _forge_load_model(self, model_id: Any, evict: list) -> None:
@@ -105,7 +114,8 @@ class ActorLauncher:
         self.options = options
 
     async def as_actor(self, *args: Any, **kwargs: Any) -> Any:
-        """Spawn one actor mesh of ``procs`` processes, run ``setup`` on every rank, return it.
+        """Spawn one actor mesh of ``procs`` processes (on each of ``hosts`` hosts of
+        ``host_pool``, if given), run ``setup`` on every rank, return it.
 
         The result is a Monarch ActorMesh: call it with ``call_one``/``call``/``choose``.
         Stop it with ``await ForgeActor.shutdown(actor)``.
@@ -113,9 +123,8 @@ class ActorLauncher:
         opts = self.options
         if opts.num_replicas != 1:
             raise ValueError(f"as_actor() starts one actor mesh; num_replicas={opts.num_replicas} needs as_service()")
-        gpus = split_gpus(1, opts.procs, visible_gpus())[0] if opts.with_gpus else None
         name = f"{opts.name or self.actor_cls.__name__.lower()}-a{next(_actor_ids)}"
-        proc_mesh = spawn_proc_mesh(name, opts.procs, gpus, opts.env)
+        proc_mesh, _ = place_replica(name, opts, replica_gpus(opts, 1)[0], opts.env)
         try:
             actor = proc_mesh.spawn(name, self.actor_cls, *args, **kwargs)
             await await_with_timeout(actor.setup.call(), opts.setup_timeout_s)

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -112,19 +114,30 @@ class _Pending:
     enqueued_at: float
 
 
-@dataclass
+@dataclass(eq=False)
 class _KeyQueue:
+    """One key's items, plus its place in the Batcher's ready structures.
+
+    ``epoch`` changes whenever the queue is held back, which voids its entries in the deadline
+    heap and the full-queue list at once (they are dropped lazily when they come to the front).
+    """
+
     items: collections.deque = field(default_factory=collections.deque)
     total_size: int = 0
+    held: bool = False
+    epoch: int = 0
 
-    def drop_done_head(self) -> None:
-        """Drop callers at the head that were cancelled (O(1) per dropped item).
+    def drop_done_head(self) -> int:
+        """Drop callers at the head that were cancelled (O(1) per dropped item); return how many.
 
         Cancelled items further back stay until their batch is taken, where they are skipped;
         scanning the whole queue on every look would make a deep queue quadratic.
         """
+        dropped = 0
         while self.items and self.items[0].future.done():
             self.total_size -= self.items.popleft().size
+            dropped += 1
+        return dropped
 
     def oldest(self) -> float:
         return self.items[0].enqueued_at
@@ -132,7 +145,8 @@ class _KeyQueue:
 
 @dataclass
 class BatchStats:
-    """Running totals a replica reports in ``Service.metrics()``."""
+    """Running totals a replica reports in ``Service.metrics()`` (sums only: the service adds
+    replicas up and computes the means)."""
 
     requests: int = 0
     batches: int = 0
@@ -140,16 +154,6 @@ class BatchStats:
     max_batch_size: int = 0
     queue_wait_s_total: float = 0.0
     errors: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "requests": self.requests,
-            "batches": self.batches,
-            "mean_batch_size": self.items_batched / self.batches if self.batches else 0.0,
-            "max_batch_size": self.max_batch_size,
-            "mean_queue_wait_s": self.queue_wait_s_total / self.items_batched if self.items_batched else 0.0,
-            "errors": self.errors,
-        }
 
 
 class Batcher:
@@ -159,6 +163,14 @@ class Batcher:
     return (an awaitable of) one result per item. It is called synchronously when the batch
     starts, so an executor that sends its message when called sends it at once. A replica owns one
     ``Batcher`` per batched endpoint; tests drive it with a plain coroutine.
+
+    Why the ready state lives in a heap and a list: session keys mean thousands of live keys
+    with a couple of items each. The dispatcher must find the next ready batch without looking
+    at every key, so each queue has one entry in a heap ordered by its first item's deadline
+    (which is also the order of first items' ages), and the queues that are full are listed in
+    the order they filled. Starting a batch costs O(log keys), not O(keys). Entries are fixed
+    lazily: one that points at a queue whose head was taken or cancelled is re-pushed with the
+    right deadline when it reaches the top.
     """
 
     def __init__(
@@ -181,6 +193,14 @@ class Batcher:
         self._clock = clock
         self._runnable = runnable
         self._queues: dict[Hashable, _KeyQueue] = {}
+        # (first item's deadline, tie-break, key, queue, queue epoch): one live entry per queue
+        # that is neither empty nor held. The tie-break keeps keys (maybe unorderable) out of
+        # the comparison.
+        self._deadlines: list[tuple[float, int, Hashable, _KeyQueue, int]] = []
+        self._full: collections.OrderedDict[Hashable, tuple[_KeyQueue, int]] = collections.OrderedDict()
+        self._held: dict[Hashable, _KeyQueue] = {}  # queues whose key is not runnable yet
+        self._tie = itertools.count()
+        self._queued = 0  # items in the queues (cancelled ones included until dropped)
         self._free_slots = spec.max_concurrent_batches  # below 0 while full batches run past the slots
         self._send_full = send_full
         self._wakeup = asyncio.Event()
@@ -215,19 +235,24 @@ class Batcher:
                 f"{self.name}: item of size {size} can never fit a batch of max_size={self.spec.max_size}"
             )
         future = asyncio.get_running_loop().create_future()
+        now = self._clock()
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = _KeyQueue()
-        queue.items.append(_Pending(item, size, future, self._clock()))
+            self._push_deadline(key, queue, now + self.spec.max_wait_s)
+        queue.items.append(_Pending(item, size, future, now))
         queue.total_size += size
-        if (
-            (self._free_slots > 0 or self._send_full)
-            and queue.total_size >= self.spec.max_size
-            and (self._runnable is None or self._runnable(key))
-        ):
-            # Full with a slot free (or full batches may go past the slots): start it now. In a
-            # burst of singletons this sends the first batches before the rest is even queued.
-            self._start(key)
+        self._queued += 1
+        if queue.total_size >= self.spec.max_size:
+            runnable = self._runnable is None or self._runnable(key)
+            if queue.held and runnable:
+                self._release(key, queue)
+            if not queue.held and key not in self._full:
+                self._full[key] = (queue, queue.epoch)
+            if (self._free_slots > 0 or self._send_full) and runnable:
+                # Full with a slot free (or full batches may go past the slots): start it now. In a
+                # burst of singletons this sends the first batches before the rest is even queued.
+                self._start(key)
         self._ensure_dispatcher()
         self._wakeup.set()
         return future
@@ -237,12 +262,13 @@ class Batcher:
         queue = self._queues.get(key)
         if queue is None:
             return False
-        queue.drop_done_head()
+        self._queued -= queue.drop_done_head()
         return bool(queue.items)
 
     @property
     def queued(self) -> int:
-        return sum(len(q.items) for q in self._queues.values())
+        """Items waiting in the queues (O(1): kept as a count)."""
+        return self._queued
 
     @property
     def keys(self) -> list[Hashable]:
@@ -250,12 +276,18 @@ class Batcher:
 
     def wake(self) -> None:
         """Look at the queues again (a key held back by ``runnable`` may now run)."""
+        for key, queue in list(self._held.items()):
+            if self._runnable is None or self._runnable(key):
+                self._release(key, queue)
         self._wakeup.set()
 
     def fail(self, key: Hashable, error: BaseException) -> None:
         """Fail every queued item of ``key`` with ``error`` and drop its queue."""
-        queue = self._queues.pop(key, None)
+        queue = self._queues.pop(key, None)  # its heap entry dies with it (checked by identity)
+        self._full.pop(key, None)
+        self._held.pop(key, None)
         if queue is not None:
+            self._queued -= len(queue.items)
             for pending in queue.items:
                 if not pending.future.done():
                     self.stats.errors += 1
@@ -269,6 +301,10 @@ class Batcher:
                 if not pending.future.done():
                     pending.future.set_exception(self._closed)
         self._queues.clear()
+        self._deadlines.clear()
+        self._full.clear()
+        self._held.clear()
+        self._queued = 0
         tasks = [t for t in (self._dispatcher, *self._running) if t is not None]
         for task in tasks:
             task.cancel()
@@ -282,40 +318,99 @@ class Batcher:
     async def _dispatch(self) -> None:
         """Start each batch as soon as it is ready and a slot is free; forever."""
         while True:
-            next_deadline = None
-            if self._free_slots > 0 or self._send_full:
-                ready_key, next_deadline = self._ready(full_only=self._free_slots <= 0)
-                if ready_key is not _NO_KEY:
-                    self._start(ready_key)
-                    continue
+            while self._free_slots > 0 or self._send_full:
+                ready_key = self._next_ready(full_only=self._free_slots <= 0)
+                if ready_key is _NO_KEY:
+                    break
+                self._start(ready_key)
             self._wakeup.clear()
-            timeout = None if next_deadline is None else max(0.0, next_deadline - self._clock())
+            timeout = None  # with no slot free, only a finished batch (or wake) can change anything
+            if self._free_slots > 0:
+                top = self._deadline_top()
+                if top is not None:
+                    timeout = max(0.0, top[0] - self._clock())
             try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
 
-    def _ready(self, full_only: bool = False) -> tuple[Hashable, float | None]:
-        """The ready key whose first item is oldest (or _NO_KEY), and the next deadline.
-        ``full_only``: only a full queue is ready (no slot is free; see ``send_full``)."""
-        now = self._clock()
-        ready_key: Hashable = _NO_KEY  # None is a valid key
-        next_deadline = None
-        for key in list(self._queues):
-            queue = self._queues[key]
-            queue.drop_done_head()
-            if not queue.items:
-                del self._queues[key]  # idle queues go away
+    def _next_ready(self, full_only: bool) -> Hashable:
+        """The key to start next, or _NO_KEY (None is a valid key).
+
+        The deadline heap's top holds the oldest first item of all: when it is due (or full) it
+        is the oldest ready queue. Otherwise no queue is due, and the ready ones are the full
+        ones, in the order they filled. ``full_only``: no slot is free, only a full queue may go
+        (see ``send_full``).
+        """
+        if not full_only:
+            top = self._deadline_top()
+            if top is not None:
+                deadline, _, key, queue, _ = top
+                if deadline <= self._clock() or queue.total_size >= self.spec.max_size:
+                    return key
+        return self._full_front()
+
+    def _push_deadline(self, key: Hashable, queue: _KeyQueue, deadline: float) -> None:
+        heapq.heappush(self._deadlines, (deadline, next(self._tie), key, queue, queue.epoch))
+
+    def _live(self, key: Hashable, queue: _KeyQueue, epoch: int) -> bool:
+        """Whether a heap or full-list entry still stands for a queue that can run now.
+
+        Drops cancelled callers at the queue's head; removes the queue if nothing is left in it
+        (idle queues go away), and holds it back if its key is not runnable.
+        """
+        if self._queues.get(key) is not queue or queue.epoch != epoch:
+            return False  # the queue was emptied, failed or held since this entry was made
+        self._queued -= queue.drop_done_head()
+        if not queue.items:
+            del self._queues[key]
+            self._full.pop(key, None)
+            return False
+        if self._runnable is not None and not self._runnable(key):
+            self._hold(key, queue)
+            return False
+        return True
+
+    def _deadline_top(self) -> tuple[float, int, Hashable, _KeyQueue, int] | None:
+        """The heap's top once it is exact: live, and with its queue's real first deadline."""
+        heap = self._deadlines
+        while heap:
+            deadline, _, key, queue, epoch = top = heap[0]
+            if not self._live(key, queue, epoch):
+                heapq.heappop(heap)
                 continue
-            if self._runnable is not None and not self._runnable(key):
-                continue  # held back: it keeps growing until wake()
-            deadline = queue.oldest() + self.spec.max_wait_s
-            if queue.total_size >= self.spec.max_size or (deadline <= now and not full_only):
-                if ready_key is _NO_KEY or queue.oldest() < self._queues[ready_key].oldest():
-                    ready_key = key
-            elif not full_only and (next_deadline is None or deadline < next_deadline):
-                next_deadline = deadline
-        return ready_key, next_deadline
+            actual = queue.oldest() + self.spec.max_wait_s
+            if actual != deadline:  # its head was taken or cancelled since: re-file it
+                heapq.heapreplace(heap, (actual, next(self._tie), key, queue, epoch))
+                continue
+            return top
+        return None
+
+    def _full_front(self) -> Hashable:
+        while self._full:
+            key, (queue, epoch) = next(iter(self._full.items()))
+            if not self._live(key, queue, epoch):
+                self._full.pop(key, None)
+                continue
+            if queue.total_size < self.spec.max_size:  # cancelled items made room: it can grow
+                del self._full[key]
+                continue
+            return key
+        return _NO_KEY
+
+    def _hold(self, key: Hashable, queue: _KeyQueue) -> None:
+        queue.held = True
+        queue.epoch += 1  # voids its heap and full-list entries
+        self._full.pop(key, None)
+        self._held[key] = queue
+
+    def _release(self, key: Hashable, queue: _KeyQueue) -> None:
+        del self._held[key]
+        queue.held = False
+        if queue.items:
+            self._push_deadline(key, queue, queue.oldest() + self.spec.max_wait_s)
+            if queue.total_size >= self.spec.max_size:
+                self._full[key] = (queue, queue.epoch)
 
     def _start(self, key: Hashable) -> None:
         """Take a batch of ``key`` into a free slot and hand it to the executor now.
@@ -343,17 +438,25 @@ class Batcher:
         task.add_done_callback(self._running.discard)
 
     def _take(self, key: Hashable) -> list[_Pending]:
+        """Pop one batch off ``key``'s queue. Its heap entry is now early; it is re-filed lazily."""
         queue = self._queues[key]
         batch: list[_Pending] = []
         total = 0
         while queue.items and total + queue.items[0].size <= self.spec.max_size:
             pending = queue.items.popleft()
             queue.total_size -= pending.size
+            self._queued -= 1
             if not pending.future.done():  # skip callers cancelled while queued
                 total += pending.size
                 batch.append(pending)
         if not queue.items:
             del self._queues[key]
+            self._full.pop(key, None)
+        elif key in self._full:
+            if queue.total_size >= self.spec.max_size:
+                self._full.move_to_end(key)  # full again: behind the other full keys
+            else:
+                del self._full[key]
         return batch
 
     async def _run(self, live: list[_Pending], pending_result: Awaitable[Sequence[Any]]) -> None:

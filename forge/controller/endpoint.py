@@ -19,12 +19,17 @@ between batches; with it (e.g. an async engine) they also run at the same time. 
 ``concurrent=True`` a batch that is already *full* is sent even when those slots are taken (it
 cannot grow by waiting, and the actor runs one message at a time anyway), so a burst keeps the
 actor busy; only batches that could still grow wait for a slot.
+
+The decorator records what it was told in one ``EndpointSpec`` on Monarch's endpoint property;
+``endpoint_specs(actor_cls)`` collects them, and services and replicas read them from there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from monarch.actor import concurrent_endpoint as _monarch_concurrent_endpoint
@@ -33,10 +38,39 @@ from monarch.actor import endpoint as _monarch_endpoint
 from forge.controller.batching import Batching
 from forge.controller.multiplex import multiplexed_method
 
-_BATCHING_ATTR = "_forge_batching"
-_RETRY_ATTR = "_forge_retry"
-_MULTIPLEXED_ATTR = "_forge_multiplexed"
-_CONCURRENT_ATTR = "_forge_concurrent"
+_SPEC_ATTR = "_forge_endpoint"
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    """Everything forge knows about one endpoint, declared once by ``@endpoint``.
+
+    Services, replicas and handles read an endpoint's facts from here; an endpoint marked with
+    Monarch's own decorator gets the defaults (plain, retried, not concurrent).
+    """
+
+    name: str
+    batching: Batching | None = None
+    """How singleton requests are prebatched; None for a plain endpoint."""
+    retry: bool = True
+    """Whether a request that a dead replica never answered may be resent elsewhere."""
+    multiplexed: bool = False
+    """A batched endpoint of many models: its batches hold one model's requests."""
+    concurrent: bool = False
+    """Whether the actor runs several calls of it at once."""
+    signature: inspect.Signature | None = None
+    """The user's signature without ``self``, to check a call before it is sent."""
+
+    @property
+    def batched(self) -> bool:
+        return self.batching is not None
+
+    @property
+    def send_full(self) -> bool:
+        """Whether full batches go out past the execution slots (``Batcher(send_full=)``): an actor
+        that runs one message at a time queues them in its mailbox; a concurrent endpoint would
+        run them at once, and a multiplexed one waits for its model, so those wait for a slot."""
+        return self.batched and not self.concurrent and not self.multiplexed
 
 
 def endpoint(
@@ -95,32 +129,44 @@ def endpoint(
                 f"{'multiplexed' if multiplexed else 'batched'} endpoint {method.__qualname__} must take exactly "
                 f"{wanted}, got {[p.name for p in required]}"
             )
-    user_method = method
+    spec = EndpointSpec(method.__name__, batch, retry, multiplexed, concurrent, _signature_without_self(method))
     if multiplexed:
         method = multiplexed_method(method)
     decorate = _monarch_concurrent_endpoint if concurrent else _monarch_endpoint
     prop = decorate(method, **monarch_options)
-    setattr(prop, _BATCHING_ATTR, batch)
-    setattr(prop, _RETRY_ATTR, retry)
-    setattr(prop, _MULTIPLEXED_ATTR, multiplexed)
-    setattr(prop, _CONCURRENT_ATTR, concurrent)
-    prop._forge_method = user_method  # the undecorated method, for checking calls' arguments
+    setattr(prop, _SPEC_ATTR, spec)
     return prop
 
 
-def batching_of(prop: Any) -> Batching | None:
-    """The ``Batching`` declared on an endpoint property, or None for plain endpoints."""
-    return getattr(prop, _BATCHING_ATTR, None)
+def endpoint_specs(actor_cls: type) -> dict[str, EndpointSpec]:
+    """Name -> ``EndpointSpec`` of every endpoint of ``actor_cls`` (Monarch's own included).
+
+    A batched endpoint's ``enbatch``/``debatch`` names are looked up here, so that a bad name
+    fails when the service is made, not on its first batch.
+    """
+    from monarch._src.actor.endpoint import EndpointProperty
+
+    specs: dict[str, EndpointSpec] = {}
+    for name in dir(actor_cls):
+        prop = getattr(actor_cls, name, None)
+        if not isinstance(prop, EndpointProperty):
+            continue
+        spec = getattr(prop, _SPEC_ATTR, None)
+        if spec is None:  # declared with Monarch's decorator: a plain endpoint
+            method = None if getattr(prop, "_explicit_response_port", False) else getattr(prop, "_method", None)
+            spec = EndpointSpec(name, signature=_signature_without_self(method) if method is not None else None)
+        elif spec.name != name:  # the same property bound under another name
+            spec = dataclasses.replace(spec, name=name)
+        if spec.batching is not None:
+            spec.batching.resolve_assembly(actor_cls)
+        specs[name] = spec
+    return specs
 
 
-def retry_allowed(prop: Any) -> bool:
-    return getattr(prop, _RETRY_ATTR, True)
-
-
-def is_concurrent(prop: Any) -> bool:
-    """Whether the actor runs calls of this endpoint at the same time (``concurrent=True``)."""
-    return getattr(prop, _CONCURRENT_ATTR, False)
-
-
-def is_multiplexed(prop: Any) -> bool:
-    return getattr(prop, _MULTIPLEXED_ATTR, False)
+def _signature_without_self(method: Callable[..., Any]) -> inspect.Signature | None:
+    """The method's signature without ``self``, for checking calls before they are sent."""
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):
+        return None
+    return signature.replace(parameters=list(signature.parameters.values())[1:])

@@ -6,6 +6,22 @@ exception's own type inside ``EndpointError.remote``), never as a silent hang.
 
 from __future__ import annotations
 
+from forge.describe import describe
+
+__all__ = [
+    "BatchResultError",
+    "EndpointError",
+    "ForgeError",
+    "ModelLoadError",
+    "NoHealthyReplica",
+    "Overloaded",
+    "ReplicaFailed",
+    "RequestTimeout",
+    "ServiceStopped",
+    "UnsendableArgument",
+    "describe",
+]
+
 
 class ForgeError(Exception):
     """Base class of every error raised by forge's service layer."""

@@ -28,9 +28,20 @@ class ActorOptions:
     """Processes per replica (per actor mesh). Service endpoints run on every rank and
     return rank 0's result."""
     hosts: int = 1
-    """Hosts per replica. Only 1 (this host) is supported by the local provisioner."""
+    """Hosts per replica: its ``procs`` processes run on each of ``hosts`` neighbouring live hosts
+    of ``host_pool`` (a Monarch host-mesh slice), as one flat proc mesh of ``hosts x procs``
+    ranks. More than 1 needs a ``host_pool`` with at least that many hosts."""
     with_gpus: bool = False
-    """Give each process one GPU of its own (``CUDA_VISIBLE_DEVICES``), split across replicas."""
+    """Give each process ``gpus_per_proc`` GPUs of its own (``CUDA_VISIBLE_DEVICES``), taken from
+    the visible ones and split across replicas."""
+    gpus: tuple[str, ...] | None = None
+    """The device ids this actor or service uses (implies ``with_gpus``), split across its
+    replicas and processes in order; e.g. ``gpus=["0"]`` for a policy and a trainer that share
+    GPU 0. None: the visible devices (``CUDA_VISIBLE_DEVICES``). With ``hosts > 1`` the same ids
+    are used on every host."""
+    gpus_per_proc: int = 1
+    """GPUs each process sees, e.g. ``tensor_parallel_size`` of a vLLM engine that runs its
+    workers inside one process."""
     num_replicas: int = 1
     """Replicas of a service, each on its own proc mesh."""
     router: Any = None
@@ -73,11 +84,32 @@ class ActorOptions:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the replica processes."""
 
+    @property
+    def uses_gpus(self) -> bool:
+        return self.with_gpus or self.gpus is not None
+
+    @property
+    def ranks(self) -> int:
+        """Processes of one replica over all its hosts."""
+        return self.procs * self.hosts
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """Devices one replica uses on each of its hosts."""
+        return self.procs * self.gpus_per_proc
+
     def __post_init__(self) -> None:
         _check_int("procs", self.procs, 1)
         _check_int("hosts", self.hosts, 1)
-        if self.hosts != 1:
-            raise ValueError(f"options(hosts={self.hosts!r}): only hosts=1 (this host) is supported")
+        _check_int("gpus_per_proc", self.gpus_per_proc, 1)
+        if self.gpus is not None:
+            if isinstance(self.gpus, (str, int)) or not all(
+                isinstance(g, (str, int)) and not isinstance(g, bool) for g in self.gpus
+            ):
+                raise ValueError(
+                    f"options(gpus=...) must be a list of device ids such as ['0', '1'], got {self.gpus!r}"
+                )
+            object.__setattr__(self, "gpus", tuple(str(g) for g in self.gpus))
         _check_int("num_replicas", self.num_replicas, 1)
         _check_int("max_retries", self.max_retries, 0)
         _check_int("max_restarts", self.max_restarts, 0)
@@ -90,8 +122,15 @@ class ActorOptions:
         _check_timeout("queue_timeout_s", self.queue_timeout_s)
         _check_timeout("health_interval_s", self.health_interval_s)
         _check_timeout("health_timeout_s", self.health_timeout_s)
-        if self.host_pool is not None and not hasattr(self.host_pool, "pick"):
+        if self.host_pool is not None and not hasattr(self.host_pool, "pick_hosts"):
             raise ValueError(f"options(host_pool=...) must be a forge HostPool, got {self.host_pool!r}")
+        if self.hosts > 1 and self.host_pool is None:
+            raise ValueError(
+                f"options(hosts={self.hosts}) places a replica on {self.hosts} hosts, which needs "
+                "host_pool=HostPool.attach([...]) or HostPool.from_job(job)"
+            )
+        if self.host_pool is not None:
+            self.host_pool.check_count(self.hosts, f"options(hosts={self.hosts})")
         if not isinstance(self.with_gpus, bool):
             raise ValueError(f"options(with_gpus=...) must be True or False, got {self.with_gpus!r}")
         _check_timeout("call_timeout_s", self.call_timeout_s)

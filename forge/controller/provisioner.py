@@ -21,9 +21,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import monarch.actor
-from monarch.actor import MeshFailure, ProcMesh, default_bootstrap_cmd, this_host
+from monarch.actor import MeshFailure, ProcMesh, default_bootstrap_cmd
 
 import forge.controller._env  # noqa: F401  (before monarch)
+from forge.controller.errors import describe
+from forge.controller.quiet import local_host
 
 logger = logging.getLogger("forge.provisioner")
 
@@ -57,6 +59,33 @@ def split_gpus(num_replicas: int, gpus_per_replica: int, devices: Sequence[str])
     return [list(devices[i * gpus_per_replica : (i + 1) * gpus_per_replica]) for i in range(num_replicas)]
 
 
+def replica_gpus(options: Any, num_replicas: int) -> list[list[str] | None]:
+    """Each replica's device ids under ``options`` (an ``ActorOptions``): None without GPUs.
+
+    The devices are ``options.gpus`` if given, else the visible ones; each replica takes
+    ``procs x gpus_per_proc`` of them, in order, disjoint from the other replicas'.
+    """
+    if not options.uses_gpus:
+        return [None] * num_replicas
+    devices = list(options.gpus) if options.gpus is not None else visible_gpus()
+    return split_gpus(num_replicas, options.gpus_per_replica, devices)
+
+
+def place_replica(
+    name: str, options: Any, gpus: Sequence[str] | None, env: dict[str, str], avoid: Sequence[int] = ()
+) -> tuple[ProcMesh, list[int]]:
+    """Spawn one replica's proc mesh where ``options`` say: this host, or ``options.hosts``
+    live hosts of ``options.host_pool`` (preferring hosts not in ``avoid``).
+
+    Returns the mesh and the indices of its hosts in the pool (``[]`` for this host).
+    """
+    pool, indices, host = options.host_pool, [], None
+    if pool is not None:
+        indices = pool.pick_hosts(options.hosts, avoid, who=f"replica {name!r}")
+        host = pool.hosts(indices)
+    return spawn_proc_mesh(name, options.procs, gpus, env, host, options.gpus_per_proc), indices
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment every forge child process gets on top of the parent's."""
     paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
@@ -83,14 +112,7 @@ def _forge_fault_hook(failure: MeshFailure) -> None:
         # Every proc mesh has a hidden "logger-*" actor mesh that fails with its processes;
         # the owner of the real mesh reports that failure, so this one is only noise.
         level = logging.DEBUG if name.startswith("logger-") else logging.WARNING
-        logger.log(level, "Monarch mesh %s failed: %s", name, _report(failure))
-
-
-def _report(failure: MeshFailure) -> str:
-    try:
-        return str(failure.report()).splitlines()[0][:300]
-    except Exception:
-        return repr(failure)
+        logger.log(level, "Monarch mesh %s failed: %s", name, describe(failure, limit=300))
 
 
 def install_fault_hook() -> None:
@@ -115,23 +137,41 @@ def remove_fault_listener(listener: Callable[[MeshFailure], bool]) -> None:
 
 # ------------------------------------------------------------------ spawning
 def spawn_proc_mesh(
-    name: str, procs: int, gpus: Sequence[str] | None = None, env: dict[str, str] | None = None, host: Any = None
+    name: str,
+    procs: int,
+    gpus: Sequence[str] | None = None,
+    env: dict[str, str] | None = None,
+    host: Any = None,
+    gpus_per_proc: int = 1,
 ) -> ProcMesh:
-    """Start ``procs`` processes on this host for one replica.
+    """Start ``procs`` processes on each host of ``host`` for one replica.
 
-    With ``gpus`` (one per process), rank r sees only ``gpus[r]`` as ``CUDA_VISIBLE_DEVICES``.
-    ``host`` is a Monarch host mesh of one host (default: this host).
+    ``host`` is a Monarch host mesh (default: this host); over several hosts the result is
+    flattened to one ``procs`` dimension (host 0's ranks first), an ordinary proc mesh to the
+    actor. With ``gpus`` (``procs x gpus_per_proc`` device ids, the same on every host), local
+    rank r sees ``gpus[r*k:(r+1)*k]`` as ``CUDA_VISIBLE_DEVICES`` (k = ``gpus_per_proc``).
     """
     install_fault_hook()
     base_env = child_env(env)
-    if gpus is not None and len(gpus) != procs:
-        raise InsufficientGpus(f"replica {name!r} has {procs} procs but {len(gpus)} GPUs ({list(gpus)})")
+    if gpus is not None and len(gpus) != procs * gpus_per_proc:
+        raise InsufficientGpus(
+            f"replica {name!r} has {procs} procs x {gpus_per_proc} GPUs each but was given {len(gpus)} GPUs "
+            f"({list(gpus)})"
+        )
 
     def command_for(point: Any):
         rank_env = dict(base_env)
         if gpus is not None:
-            rank_env["CUDA_VISIBLE_DEVICES"] = gpus[point.rank]
+            local = dict(point).get("procs", point.rank)  # the rank within its host
+            rank_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[local * gpus_per_proc : (local + 1) * gpus_per_proc])
         return default_bootstrap_cmd().with_env(rank_env)
 
-    host = this_host() if host is None else host
-    return host.spawn_procs(per_host={"procs": procs}, name=name, bootstrap_command=command_for)
+    host = local_host() if host is None else host  # the first one starts Monarch's agent, its banner filtered
+    mesh = host.spawn_procs(per_host={"procs": procs}, name=name, bootstrap_command=command_for)
+    if "hosts" not in mesh.extent.labels:
+        return mesh
+    flat = mesh.flatten("procs")
+    # Monarch lets only the mesh that spawned the processes stop them ("not owned" otherwise):
+    # the flat view's stop() stops its owner, so every caller can treat it as any proc mesh.
+    flat.stop = mesh.stop
+    return flat

@@ -6,11 +6,17 @@ Multiplexed endpoints share one ``ReplicaModels``, which loads and evicts the re
 and holds a model's queue back while it loads. Every message has a timeout, and Monarch's
 errors become forge's: the endpoint's own exception becomes ``EndpointError``, a dead process
 ``ReplicaFailed``, no answer ``RequestTimeout``.
+
+The replica owns its lifecycle: it starts, fails (``mark_failed``), restarts as a new
+generation that takes traffic only after the service's resync, and stops. The service decides
+only *when* to restart it (backoff, limits). Its metrics are sums (counts and totals), so that
+the service can add replicas up before it computes any mean.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -21,11 +27,20 @@ from typing import Any
 import cloudpickle
 from monarch.actor import ActorError, ProcMesh
 
-from forge.controller.batching import Batcher, Batching
-from forge.controller.errors import EndpointError, ReplicaFailed, RequestTimeout, ServiceStopped, UnsendableArgument
-from forge.controller.multiplex import LOAD_ENDPOINT, Multiplexing, ReplicaModels
+from forge.controller.batching import Batcher, BatchStats
+from forge.controller.endpoint import EndpointSpec
+from forge.controller.errors import (
+    EndpointError,
+    ReplicaFailed,
+    RequestTimeout,
+    ServiceStopped,
+    UnsendableArgument,
+    describe,
+)
+from forge.controller.model_cache import ReplicaModels
+from forge.controller.multiplex import LOAD_ENDPOINT, Multiplexing
 from forge.controller.options import ActorOptions
-from forge.controller.provisioner import spawn_proc_mesh
+from forge.controller.provisioner import place_replica
 
 try:  # the type Monarch raises when a process of the mesh died
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
@@ -60,14 +75,11 @@ class ReplicaSpec:
     args: tuple
     kwargs: dict
     options: ActorOptions
-    batching: dict[str, Batching]
+    endpoints: dict[str, EndpointSpec]
     service_name: str
     gpus: list[str] | None = None
     env: dict[str, str] = field(default_factory=dict)
     multiplexing: Multiplexing | None = None
-    multiplexed: frozenset[str] = frozenset()
-    send_full: frozenset[str] = frozenset()
-    """Batched endpoints whose full batches are sent past the slots (``Batcher(send_full=)``)."""
 
 
 async def await_with_timeout(awaitable: Any, timeout: float | None) -> Any:
@@ -91,30 +103,58 @@ def translate_error(exc: BaseException, where: str) -> BaseException:
     if isinstance(exc, ActorError):
         remote = getattr(exc, "exception", None)
         if isinstance(remote, SupervisionError):
-            return ReplicaFailed(f"{where}: the replica's process failed: {_first_line(remote)}")
+            return ReplicaFailed(f"{where}: the replica's process failed: {describe(remote)}")
         if remote is None:
-            return EndpointError(where, "ActorError", _first_line(exc))
+            return EndpointError(where, "ActorError", describe(exc))
         return EndpointError(where, type(remote).__name__, str(remote), remote)
     if isinstance(exc, SupervisionError):
-        return ReplicaFailed(f"{where}: the replica's process failed: {_first_line(exc)}")
+        return ReplicaFailed(f"{where}: the replica's process failed: {describe(exc)}")
     if isinstance(exc, TypeError) and "pickle" in str(exc):
         return UnsendableArgument(f"{where}: an argument cannot be sent to the replica (it must be picklable): {exc}")
     if isinstance(exc, asyncio.TimeoutError):
         return RequestTimeout(f"{where}: no answer within the timeout")
     if isinstance(exc, RuntimeError) and ("stopped" in str(exc) or "supervision" in str(exc).lower()):
-        return ReplicaFailed(f"{where}: the replica is gone: {_first_line(exc)}")
+        return ReplicaFailed(f"{where}: the replica is gone: {describe(exc)}")
     return exc
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:500] if text else type(exc).__name__
+class QueuedItem:
+    """One item of a batched endpoint, already in a replica's batcher, awaited later.
+
+    Like a Monarch ``Future`` (the message leaves when the call is made, not when it is
+    awaited), the item joins a batch when it is queued; ``result`` waits for its own answer. It
+    remembers the replica's generation then, so that a retry can avoid that incarnation.
+    """
+
+    __slots__ = ("replica", "generation", "endpoint", "future")
+
+    def __init__(self, replica: Replica, endpoint: str, future: asyncio.Future) -> None:
+        self.replica = replica
+        self.generation = replica.generation
+        self.endpoint = endpoint
+        self.future = future
+
+    @property
+    def origin(self) -> tuple[int, int]:
+        """(replica id, generation) of the incarnation that holds the item."""
+        return self.replica.replica_id, self.generation
+
+    async def result(self, timeout: float | None) -> Any:
+        """The item's own result, up to ``timeout`` seconds (None: no timer)."""
+        if timeout is None:
+            return await self.future
+        try:
+            return await await_with_timeout(self.future, timeout)
+        except asyncio.TimeoutError as exc:
+            name = f"{self.replica.spec.actor_cls.__name__}.{self.endpoint}"
+            raise RequestTimeout(f"{name}: no result within {timeout}s") from exc
 
 
 class Replica:
     """A replica's lifecycle (start, serve, fail, stop) and its request paths."""
 
-    def __init__(self, replica_id: int, spec: ReplicaSpec) -> None:
+    def __init__(self, replica_id: int, spec: ReplicaSpec, on_failure: Callable[[Replica], None] | None = None) -> None:
+        """``on_failure(replica)`` runs when the replica fails (the service schedules its restart)."""
         self.replica_id = replica_id
         self.spec = spec
         self.state = ReplicaState.STARTING
@@ -128,8 +168,8 @@ class Replica:
         self.failure: str | None = None
         self.restarts = 0
         self.failed_at: float | None = None
-        self.on_failure: Callable[[Replica], None] | None = None  # set by the service
-        self.host_index: int | None = None  # index in the service's HostPool, if any
+        self.on_failure = on_failure
+        self.host_indices: list[int] = []  # its hosts' indices in the service's HostPool, if any
         self.last_progress = time.monotonic()  # last answer of any kind from the replica
         self._calls: set[asyncio.Task] = set()  # tasks awaiting this replica's answers
         self._in_flight = 0
@@ -140,12 +180,21 @@ class Replica:
         return f"{self.spec.service_name}-r{self.replica_id}-g{self.generation}"
 
     @property
+    def host_index(self) -> int | None:
+        """Index of the replica's first host in the service's HostPool; None on this host."""
+        return self.host_indices[0] if self.host_indices else None
+
+    @property
     def in_flight(self) -> int:
         return self._in_flight
 
     @property
     def accepting(self) -> bool:
         return self.state is ReplicaState.HEALTHY
+
+    def owns_mesh(self, mesh_name: str) -> bool:
+        """Whether a Monarch mesh of this name belongs to this replica's live generation."""
+        return self.state is not ReplicaState.STOPPED and mesh_name.startswith(self.mesh_name + "-")
 
     def has_forming(self, endpoint: str, key: Hashable) -> bool:
         batcher = self.batchers.get(endpoint)
@@ -167,12 +216,13 @@ class Replica:
         opts = self.spec.options
         t0 = time.monotonic()
         try:
-            host = None
-            if opts.host_pool is not None:
-                self.host_index = opts.host_pool.pick(avoid=self.host_index if self.generation else None)
-                host = opts.host_pool.host(self.host_index)
-            self.proc_mesh = spawn_proc_mesh(
-                self.mesh_name, opts.procs, self.spec.gpus, {**opts.env, **self.spec.env}, host
+            # A restart prefers hosts other than the ones the replica died on.
+            self.proc_mesh, self.host_indices = place_replica(
+                self.mesh_name,
+                opts,
+                self.spec.gpus,
+                {**opts.env, **self.spec.env},
+                avoid=self.host_indices if self.generation else (),
             )
             self.actor_mesh = self.proc_mesh.spawn(
                 self.mesh_name, self.spec.actor_cls, *self.spec.args, **self.spec.kwargs
@@ -180,23 +230,23 @@ class Replica:
             await await_with_timeout(self.actor_mesh.setup.call(), opts.setup_timeout_s)
         except BaseException as exc:
             self.state = ReplicaState.FAILED
-            self.failure = _first_line(exc)
+            self.failure = describe(exc)
             await self._stop_mesh()
             raise translate_error(exc, f"{self.spec.actor_cls.__name__} replica {self.replica_id} setup") from exc
-        self.models = None
-        if self.spec.multiplexed:
-            self.models = ReplicaModels(
-                self.spec.multiplexing, self._load_model, name=f"{self.spec.actor_cls.__name__}@r{self.replica_id}"
-            )
+        cls_name = self.spec.actor_cls.__name__
+        batched = [ep for ep in self.spec.endpoints.values() if ep.batching is not None]
+        models = None
+        if any(ep.multiplexed for ep in batched):
+            models = ReplicaModels(self.spec.multiplexing, self._load_model, name=f"{cls_name}@r{self.replica_id}")
+        self.models = models
         self.batchers = {}
-        for name, spec in self.spec.batching.items():
-            label = f"{self.spec.actor_cls.__name__}.{name}@r{self.replica_id}"
-            if name in self.spec.multiplexed:
-                self.batchers[name] = self.models.batcher(spec, self._batch_executor(name), name=label)  # type: ignore[union-attr]
+        for ep in batched:
+            label = f"{cls_name}.{ep.name}@r{self.replica_id}"
+            execute = self._batch_executor(ep)
+            if models is not None and ep.multiplexed:
+                self.batchers[ep.name] = models.batcher(ep.batching, execute, name=label)
             else:
-                self.batchers[name] = Batcher(
-                    spec, self._batch_executor(name), name=label, send_full=name in self.spec.send_full
-                )
+                self.batchers[ep.name] = Batcher(ep.batching, execute, name=label, send_full=ep.send_full)
         self.started_at = self.last_progress = time.monotonic()
         self.state = ReplicaState.HEALTHY if take_traffic else ReplicaState.RECOVERING
         logger.debug("replica %s ready in %.2fs", self.mesh_name, self.started_at - t0)
@@ -216,6 +266,26 @@ class Replica:
             task.cancel(msg=_ABORT)
         if self.on_failure is not None:
             self.on_failure(self)
+
+    async def restart(self, resync: Callable[[Any], Awaitable[None]] | None = None) -> None:
+        """Replace the processes with a new generation; it takes traffic once ``resync`` is done.
+
+        ``await resync(actor_mesh)`` brings the new generation to the service's current state
+        (e.g. the weight version) while the replica is RECOVERING, so no request reaches it
+        before that. If the start or the resync fails, the replica is FAILED and the error
+        raised; the caller decides whether to try again.
+        """
+        await self.stop(ReplicaFailed(f"replica {self.replica_id} is restarting"))
+        self.generation += 1
+        self.restarts += 1
+        try:
+            await self.start(take_traffic=False)
+            if resync is not None:
+                await resync(self.actor_mesh)
+        except Exception:
+            self.state = ReplicaState.FAILED
+            raise
+        self.state = ReplicaState.HEALTHY
 
     async def stop(self, error: BaseException | None = None) -> None:
         """Fail anything still queued with ``error`` and stop the processes."""
@@ -252,12 +322,18 @@ class Replica:
             counters.in_flight -= 1
             self._in_flight -= 1
 
-    def enqueue(self, endpoint: str, item: Any, key: Hashable) -> asyncio.Future:
+    def enqueue(self, endpoint: str, item: Any, key: Hashable) -> QueuedItem:
         """One batched-endpoint request: queued here, sent as part of a batch.
 
-        Returns the item's future (no task per item: a burst of singletons stays cheap).
+        No task per item, so a burst of singletons stays cheap. Never raises: an item the
+        batcher refuses (closed, too large, a failing key function) is a ``QueuedItem`` whose
+        ``result`` raises that error, as if the batch had failed it.
         """
-        future = self.batchers[endpoint].enqueue(item, key)
+        try:
+            future = self.batchers[endpoint].enqueue(item, key)
+        except Exception as exc:  # noqa: BLE001 - the caller sees it when it awaits the result
+            future = asyncio.get_running_loop().create_future()
+            future.set_exception(exc)
         counters = self._counters(endpoint)
         counters.in_flight += 1
         self._in_flight += 1
@@ -267,20 +343,11 @@ class Replica:
             self._in_flight -= 1
 
         future.add_done_callback(done)
-        return future
+        return QueuedItem(self, endpoint, future)
 
     async def submit(self, endpoint: str, item: Any, key: Hashable, timeout: float | None) -> Any:
         """``enqueue`` and wait for the result, up to ``timeout`` seconds (None: no timer)."""
-        return await self.wait_item(endpoint, self.enqueue(endpoint, item, key), timeout)
-
-    async def wait_item(self, endpoint: str, future: asyncio.Future, timeout: float | None) -> Any:
-        """The result of an ``enqueue``d item, up to ``timeout`` seconds (None: no timer)."""
-        if timeout is None:
-            return await future
-        try:
-            return await await_with_timeout(future, timeout)
-        except asyncio.TimeoutError as exc:
-            raise RequestTimeout(f"{self.spec.actor_cls.__name__}.{endpoint}: no result within {timeout}s") from exc
+        return await self.enqueue(endpoint, item, key).result(timeout)
 
     async def broadcast_call(
         self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None
@@ -296,10 +363,12 @@ class Replica:
     async def _load_model(self, model_id: Hashable, evict: list) -> None:
         await self._send(LOAD_ENDPOINT, (model_id, evict), {}, self.spec.options.call_timeout_s)
 
-    def _batch_executor(self, endpoint: str):
-        enbatch, debatch = self.spec.batching[endpoint].resolve_assembly(self.spec.actor_cls)
+    def _batch_executor(self, spec: EndpointSpec) -> Callable[[list[Any], Hashable], Awaitable[Sequence[Any]]]:
+        """The Batcher's executor for one batched endpoint: one message per batch."""
+        endpoint = spec.name
+        enbatch, debatch = spec.batching.resolve_assembly(self.spec.actor_cls)  # type: ignore[union-attr]
         timeout = self.spec.options.call_timeout_s
-        multiplexed = endpoint in self.spec.multiplexed  # the key is the model id: sent first
+        multiplexed = spec.multiplexed  # the key is the model id: sent first
 
         def execute(items: list[Any], key: Hashable) -> Awaitable[Sequence[Any]]:
             """Sends the batch's message now; the returned awaitable gives its results."""
@@ -352,7 +421,7 @@ class Replica:
         ep = getattr(self.actor_mesh, endpoint)
         self._counters(endpoint).messages += 1
         try:
-            return ep.call_one(*args, **kwargs) if self.spec.options.procs == 1 else ep.call(*args, **kwargs)
+            return ep.call_one(*args, **kwargs) if self.spec.options.ranks == 1 else ep.call(*args, **kwargs)
         except BaseException as exc:
             raise self._failed_call(exc, where) from exc
 
@@ -363,7 +432,7 @@ class Replica:
         self._calls.add(task)  # type: ignore[arg-type]
         try:
             result = await await_with_timeout(reply, timeout)
-            if self.spec.options.procs != 1:
+            if self.spec.options.ranks != 1:
                 result = next(iter(result.values()))  # rank 0's result
             self.last_progress = time.monotonic()
             return result
@@ -408,26 +477,26 @@ class Replica:
         return counters
 
     def metrics(self) -> dict[str, Any]:
+        """State, and per endpoint its sums: requests, batches, items, queue wait, errors (the
+        fields of ``BatchStats``; a plain endpoint's message is a batch of one). Means are left
+        to the reader, who may add several replicas up first (``Service.metrics``)."""
         endpoints: dict[str, dict[str, Any]] = {}
         for name in set(self.counters) | set(self.batchers):
             c = self._counters(name)
             batcher = self.batchers.get(name)
             if batcher is not None:
-                stats = batcher.stats.as_dict()
-                stats["in_flight"] = c.in_flight
-                stats["queued"] = batcher.queued
-                stats["open_keys"] = len(batcher.keys)
+                stats = dataclasses.asdict(batcher.stats)
+                stats.update(queued=batcher.queued, open_keys=len(batcher.keys))
             else:
-                stats = {
-                    "requests": c.requests,
-                    "batches": c.messages,
-                    "mean_batch_size": 1.0 if c.messages else 0.0,
-                    "max_batch_size": 1 if c.messages else 0,
-                    "mean_queue_wait_s": 0.0,
-                    "errors": c.errors,
-                    "in_flight": c.in_flight,
-                }
-            endpoints[name] = stats
+                one_per_message = BatchStats(
+                    requests=c.requests,
+                    batches=c.messages,
+                    items_batched=c.messages,
+                    max_batch_size=min(c.messages, 1),
+                    errors=c.errors,
+                )
+                stats = dataclasses.asdict(one_per_message)
+            endpoints[name] = {**stats, "in_flight": c.in_flight}
         result = {
             "state": self.state.value,
             "generation": self.generation,
@@ -437,3 +506,29 @@ class Replica:
         if self.models is not None:
             result["models"] = self.models.metrics()
         return result
+
+
+_SUMMED = ("requests", "batches", "items_batched", "queue_wait_s_total", "in_flight", "errors")
+
+
+def aggregate_endpoints(replica_endpoints: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per endpoint, the replicas' sums (``Replica.metrics()["endpoints"]``) added up, with the
+    means computed from the totals (never a mean of means)."""
+    totals: dict[str, dict[str, Any]] = {}
+    for endpoints in replica_endpoints:
+        for name, sums in endpoints.items():
+            total = totals.setdefault(name, dict.fromkeys(_SUMMED, 0) | {"max_batch_size": 0})
+            for key in _SUMMED:
+                total[key] += sums[key]
+            total["max_batch_size"] = max(total["max_batch_size"], sums["max_batch_size"])
+    return {name: endpoint_view(total) for name, total in totals.items()}
+
+
+def endpoint_view(sums: dict[str, Any]) -> dict[str, Any]:
+    """An endpoint's metrics as reported: its sums, with mean batch size and mean queue wait
+    in place of the item and wait totals."""
+    items = sums["items_batched"]
+    view = {k: v for k, v in sums.items() if k not in ("items_batched", "queue_wait_s_total")}
+    view["mean_batch_size"] = items / sums["batches"] if sums["batches"] else 0.0
+    view["mean_queue_wait_s"] = sums["queue_wait_s_total"] / items if items else 0.0
+    return view

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import inspect
+import dataclasses
 import itertools
 import logging
 import time
@@ -32,30 +32,19 @@ from typing import Any
 
 from monarch.actor import MeshFailure
 
-from forge.controller.batching import Batching
-from forge.controller.endpoint import batching_of, is_concurrent, is_multiplexed, retry_allowed
-from forge.controller.errors import NoHealthyReplica, Overloaded, ReplicaFailed, ServiceStopped
-from forge.controller.multiplex import aggregate_metrics, check_multiplexing
+from forge.controller.endpoint import EndpointSpec, endpoint_specs
+from forge.controller.errors import NoHealthyReplica, Overloaded, ReplicaFailed, ServiceStopped, describe
+from forge.controller.model_cache import aggregate_metrics, models_view
+from forge.controller.multiplex import check_multiplexing
 from forge.controller.options import ActorOptions
-from forge.controller.provisioner import add_fault_listener, remove_fault_listener, split_gpus, visible_gpus
-from forge.controller.replica import Replica, ReplicaSpec, ReplicaState
+from forge.controller.provisioner import add_fault_listener, remove_fault_listener, replica_gpus
+from forge.controller.replica import QueuedItem, Replica, ReplicaSpec, ReplicaState, aggregate_endpoints, endpoint_view
 from forge.controller.routing import Router, RouteRequest, make_router
 
 logger = logging.getLogger("forge.service")
 
 _current_session: contextvars.ContextVar[str | None] = contextvars.ContextVar("forge_session", default=None)
 _service_ids = itertools.count()
-
-
-def endpoint_properties(actor_cls: type) -> dict[str, Any]:
-    """Name -> Monarch EndpointProperty for every endpoint of ``actor_cls``."""
-    from monarch._src.actor.endpoint import EndpointProperty
-
-    return {
-        name: getattr(actor_cls, name)
-        for name in dir(actor_cls)
-        if isinstance(getattr(actor_cls, name, None), EndpointProperty)
-    }
 
 
 class Service:
@@ -65,19 +54,9 @@ class Service:
         self.actor_cls = actor_cls
         self.options = options
         self.name = f"{options.name or actor_cls.__name__.lower()}{next(_service_ids)}"
-        self.endpoints = endpoint_properties(actor_cls)
-        self.batching: dict[str, Batching] = {
-            n: b for n, p in self.endpoints.items() if (b := batching_of(p)) is not None
-        }
-        for spec in self.batching.values():
-            spec.resolve_assembly(actor_cls)  # a bad enbatch/debatch name fails here, not per batch
-        self.multiplexed = frozenset(n for n, p in self.endpoints.items() if is_multiplexed(p))
-        self.multiplexing = check_multiplexing(actor_cls, self.multiplexed, options.max_models)
-        # Full batches of an endpoint the actor runs one message at a time go out past the
-        # slots (see Batcher's send_full); concurrent ones would run at once, so they wait.
-        send_full = frozenset(
-            n for n in self.batching if not is_concurrent(self.endpoints[n]) and n not in self.multiplexed
-        )
+        self.endpoints: dict[str, EndpointSpec] = endpoint_specs(actor_cls)
+        multiplexed = sorted(n for n, e in self.endpoints.items() if e.multiplexed)
+        self.multiplexing = check_multiplexing(actor_cls, multiplexed, options.max_models)
         for name in options.endpoint_routers:
             if name not in self.endpoints:
                 raise ValueError(
@@ -86,31 +65,12 @@ class Service:
                 )
         self._default_router_spec = options.router
         self._routers: dict[str, Router] = {}
-        gpus = (
-            split_gpus(options.num_replicas, options.procs, visible_gpus())
-            if options.with_gpus
-            else [None] * options.num_replicas
-        )
+        gpus = replica_gpus(options, options.num_replicas)
+        spec = ReplicaSpec(actor_cls, args, kwargs, options, self.endpoints, self.name, multiplexing=self.multiplexing)
         self.replicas = [
-            Replica(
-                i,
-                ReplicaSpec(
-                    actor_cls,
-                    args,
-                    kwargs,
-                    options,
-                    self.batching,
-                    self.name,
-                    gpus[i],
-                    multiplexing=self.multiplexing,
-                    multiplexed=self.multiplexed,
-                    send_full=send_full,
-                ),
-            )
+            Replica(i, dataclasses.replace(spec, gpus=gpus[i]), on_failure=self._on_replica_failed)
             for i in range(options.num_replicas)
         ]
-        for replica in self.replicas:
-            replica.on_failure = self._on_replica_failed
         self._session_pins: dict[str, int] = {}
         self._stopped = False
         self._fault_listener = self._on_mesh_failure
@@ -123,7 +83,6 @@ class Service:
         self._waiting = 0
         self.recovery_log: list[dict[str, float]] = []
         self.retried = 0  # requests resent after their replica died
-        self._signatures = {name: _call_signature(prop) for name, prop in self.endpoints.items()}
 
     # ----------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -170,11 +129,10 @@ class Service:
         """Monarch's fault hook (called on Monarch's own thread): hand over to our loop."""
         mesh_name = str(getattr(failure, "mesh_name", ""))
         for replica in self.replicas:
-            if replica.state is not ReplicaState.STOPPED and mesh_name.startswith(replica.mesh_name + "-"):
+            if replica.owns_mesh(mesh_name):
                 if self._loop is not None and not self._loop.is_closed():
-                    self._loop.call_soon_threadsafe(
-                        replica.mark_failed, f"its process died ({_first_line(failure)})", context=self._context.copy()
-                    )
+                    reason = f"its process died ({describe(failure, limit=300)})"
+                    self._loop.call_soon_threadsafe(replica.mark_failed, reason, context=self._context.copy())
                 return True
         return False
 
@@ -188,32 +146,35 @@ class Service:
         task.add_done_callback(lambda _: self._recoveries.pop(replica.replica_id, None))
 
     async def _recover(self, replica: Replica) -> None:
+        """The restart policy: back off (doubling per failed try, at most 30 s), give up after
+        ``max_restarts``; the replica itself restarts, resyncs and rejoins."""
         failed_at = replica.failed_at or time.monotonic()
         attempt = 0
         while not self._stopped:
             if replica.restarts >= self.options.max_restarts:
-                logger.error("replica %s failed %d times; not restarting it again", replica.mesh_name, replica.restarts)
+                if self.options.max_restarts == 0:
+                    logger.error("replica %s failed; max_restarts=0 allows no restart", replica.mesh_name)
+                else:
+                    logger.error(
+                        "replica %s failed again after %d restarts (max_restarts=%d); not restarting it again",
+                        replica.mesh_name,
+                        replica.restarts,
+                        self.options.max_restarts,
+                    )
                 await self._notify_capacity()
                 return
             await asyncio.sleep(min(self.options.restart_backoff_s * 2**attempt, 30.0))
-            await replica.stop(ReplicaFailed(f"replica {replica.replica_id} is restarting"))
-            replica.generation += 1
-            replica.restarts += 1
             try:
-                await replica.start(take_traffic=False)
-                if self._resync is not None:
-                    await self._resync(replica.actor_mesh)
+                await replica.restart(self._resync)
             except Exception as exc:
                 attempt += 1
-                replica.state = ReplicaState.FAILED
                 logger.warning(
                     "restarting replica %s failed (%s); retrying",
                     replica.mesh_name,
-                    _first_line(exc),
+                    describe(exc),
                     exc_info=logger.isEnabledFor(logging.DEBUG),
                 )
                 continue
-            replica.state = ReplicaState.HEALTHY
             self.recovery_log.append({"replica": replica.replica_id, "recovery_s": time.monotonic() - failed_at})
             logger.info("replica %s is back after %.1fs", replica.mesh_name, time.monotonic() - failed_at)
             await self._notify_capacity()
@@ -237,9 +198,11 @@ class Service:
                     and replica.state is ReplicaState.HEALTHY
                     and time.monotonic() - replica.last_progress >= limit
                 ):
-                    if self.options.host_pool is not None and replica.host_index is not None:
-                        self.options.host_pool.mark_dead(replica.host_index)
-                    replica.mark_failed(f"no answer for {limit:.0f}s")
+                    reason = f"no answer for {limit:.0f}s"
+                    if self.options.host_pool is not None and replica.host_indices:
+                        blamed = self.options.host_pool.blame(replica.host_indices)
+                        reason += f" ({blamed})" if blamed else ""
+                    replica.mark_failed(reason)
 
     async def _notify_capacity(self) -> None:
         if self._capacity_changed is not None:
@@ -252,7 +215,7 @@ class Service:
         if router is None:
             spec = self.options.endpoint_routers.get(endpoint, self._default_router_spec)
             if spec is None:
-                spec = "model_aware" if endpoint in self.multiplexed else "round_robin"
+                spec = "model_aware" if self.endpoints[endpoint].multiplexed else "round_robin"
             router = self._routers[endpoint] = make_router(spec)
         return router
 
@@ -337,38 +300,38 @@ class Service:
         kwargs: dict[str, Any],
         key: Hashable,
         timeout: float | None,
-        queued: tuple[Replica, int, asyncio.Future] | None = None,
+        queued: QueuedItem | None = None,
     ) -> Any:
         """Route one request, resending it elsewhere if its replica dies before answering.
 
-        ``queued``: the first attempt of a batched item that ``queue_batched`` already queued
-        (its replica, that replica's generation then, the item's future).
+        ``queued``: the first attempt of a batched item, already queued by ``queue_batched``
+        (which checked the call).
         """
-        batched = endpoint in self.batching
-        if not batched:
-            self._check_call(endpoint, args, kwargs)
-        if timeout is None and not batched:
+        spec = self.endpoints[endpoint]
+        if queued is None:
+            args, kwargs, key = self._checked_call(spec, args, kwargs, key)
+        if timeout is None and not spec.batched:
             timeout = self.options.call_timeout_s
         # A batched request without its own timeout arms no timer: each batch's message has
         # call_timeout_s, so every queued item is answered or failed in bounded time anyway,
         # and 2,000 queued singletons don't pay for 2,000 timers.
-        retries = self.options.max_retries if retry_allowed(self.endpoints[endpoint]) else 0
+        retries = self.options.max_retries if spec.retry else 0
         tried: set[tuple[int, int]] = set()
         while True:
-            if queued is not None:
-                replica, generation, future = queued
-                queued = None
-            else:
+            attempt, queued = queued, None
+            if attempt is None:
                 replica = self.choose(endpoint, key, await self._admit(endpoint, tried))
-                generation, future = replica.generation, None
+                origin = (replica.replica_id, replica.generation)
+                if spec.batched:  # never raises: an item the batcher refuses fails in its result
+                    attempt = replica.enqueue(endpoint, args[0], key)
+            else:
+                origin = attempt.origin
             try:
-                if batched:
-                    if future is None:
-                        future = replica.enqueue(endpoint, args[0], key)
-                    return await replica.wait_item(endpoint, future, timeout)
+                if attempt is not None:
+                    return await attempt.result(timeout)
                 return await replica.call(endpoint, args, kwargs, timeout)
             except ReplicaFailed as exc:
-                tried.add((replica.replica_id, generation))
+                tried.add(origin)
                 if retries <= 0 or self._stopped:
                     raise
                 retries -= 1
@@ -378,7 +341,9 @@ class Service:
                 if self._waiting:
                     await self._notify_capacity()
 
-    def queue_batched(self, endpoint: str, item: Any, key: Hashable, timeout: float | None) -> Coroutine[Any, Any, Any]:
+    def queue_batched(
+        self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable, timeout: float | None
+    ) -> Coroutine[Any, Any, Any]:
         """Queue one item of a batched endpoint *now*, and return the coroutine that waits for it.
 
         Why now: a caller that fires a burst (``gather`` of 2,000 ``route`` calls) makes every
@@ -386,41 +351,62 @@ class Service:
         first ones are on their way to the actor while the caller is still making calls;
         queued from each caller's task, nothing would leave until all 2,000 tasks had been
         created and the actor would idle meanwhile. When no replica can take the item at once
-        (admission limits, recovery, shutdown), the plain path runs when the coroutine is awaited.
+        (admission limits, recovery, shutdown), or the call does not fit the endpoint, the plain
+        path runs when the coroutine is awaited (and raises there, as any other error does).
         """
-        if self._stopped or self._waiting:  # callers already wait for admission: queue behind them
-            return self.request(endpoint, (item,), {}, key, timeout)
-        candidates = self._candidates(set())
-        if not candidates:
-            return self.request(endpoint, (item,), {}, key, timeout)
-        try:
-            replica = self.choose(endpoint, key, candidates)
-            queued = (replica, replica.generation, replica.enqueue(endpoint, item, key))
-        except Exception as exc:  # noqa: BLE001 - surfaces when the caller awaits, like any other error
-            return _raise(exc)
-        return self.request(endpoint, (item,), {}, key, timeout, queued=queued)
+        # Callers already waiting for admission go first: then this one queues behind them.
+        candidates = [] if self._stopped or self._waiting else self._candidates(set())
+        if candidates:
+            try:
+                (item,), _, batch_key = self._checked_call(self.endpoints[endpoint], args, kwargs, key)
+                replica = self.choose(endpoint, batch_key, candidates)
+            except Exception:  # noqa: BLE001 - the plain path meets the same error when it is awaited
+                pass
+            else:
+                queued = replica.enqueue(endpoint, item, batch_key)
+                return self.request(endpoint, (item,), {}, batch_key, timeout, queued=queued)
+        return self.request(endpoint, args, kwargs, key, timeout)
 
-    def _check_call(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """Wrong arity or keyword names fail here, naming the endpoint's signature."""
-        signature = self._signatures.get(endpoint)
-        if signature is None:
-            return
-        try:
-            signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{self.actor_cls.__name__}.{endpoint}{signature}: {exc}") from None
+    def _checked_call(
+        self, spec: EndpointSpec, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable
+    ) -> tuple[Sequence[Any], dict[str, Any], Hashable]:
+        """The call as a replica takes it; a call that does not fit the endpoint fails here,
+        naming the endpoint. A multiplexed endpoint's ``model_id=`` becomes the request's key."""
+        name = f"{self.actor_cls.__name__}.{spec.name}"
+        if spec.multiplexed:
+            kwargs = dict(kwargs)
+            model_id = kwargs.pop("model_id", None)
+            if model_id is None or key is not None:
+                raise TypeError(
+                    f"{name} is multiplexed: name the model that serves the item with model_id=... (and no key=), "
+                    f'e.g. route(x, model_id="m7")'
+                )
+            key = model_id
+        if spec.batched:
+            if len(args) != 1 or kwargs:
+                raise TypeError(
+                    f"{name} is batched: route() takes exactly one item "
+                    f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments)"
+                )
+        elif spec.signature is not None:
+            try:
+                spec.signature.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise TypeError(f"{name}{spec.signature}: {exc}") from None
+        return args, kwargs, key
 
     async def fanout(
-        self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None, key: Hashable = None
+        self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None
     ) -> list[Any]:
-        if timeout is None and endpoint not in self.batching:
+        """The same request to every healthy replica; one result per replica, in replica order."""
+        spec = self.endpoints[endpoint]
+        if timeout is None and not spec.batched:
             timeout = self.options.call_timeout_s
-        if endpoint not in self.batching:
-            self._check_call(endpoint, args, kwargs)
+        args, kwargs, key = self._checked_call(spec, args, kwargs, None)
         replicas = self.healthy_replicas()
         if not replicas:
             raise NoHealthyReplica(f"service {self.name} has no healthy replica for fanout of {endpoint!r}")
-        if endpoint in self.batching:
+        if spec.batched:
             calls = [r.submit(endpoint, args[0], key, timeout) for r in replicas]
         else:
             calls = [r.call(endpoint, args, kwargs, timeout) for r in replicas]
@@ -440,80 +426,25 @@ class Service:
     # ----------------------------------------------------------- metrics
     def metrics(self) -> dict[str, Any]:
         """Per replica and per endpoint: requests, batches, batch sizes, queue wait, in flight, errors;
-        with multiplexed endpoints, ``models``: loads, evictions, hits, per-model batch sizes."""
-        replicas = {r.replica_id: r.metrics() for r in self.replicas}
-        totals: dict[str, dict[str, float]] = {}
-        for rm in replicas.values():
-            for ep, stats in rm["endpoints"].items():
-                t = totals.setdefault(
-                    ep,
-                    {
-                        "requests": 0,
-                        "batches": 0,
-                        "items": 0.0,
-                        "wait": 0.0,
-                        "max_batch_size": 0,
-                        "in_flight": 0,
-                        "errors": 0,
-                    },
-                )
-                t["requests"] += stats["requests"]
-                t["batches"] += stats["batches"]
-                t["items"] += stats["mean_batch_size"] * stats["batches"]
-                t["wait"] += stats["mean_queue_wait_s"] * stats["mean_batch_size"] * stats["batches"]
-                t["max_batch_size"] = max(t["max_batch_size"], stats["max_batch_size"])
-                t["in_flight"] += stats["in_flight"]
-                t["errors"] += stats["errors"]
-        endpoints = {
-            ep: {
-                "requests": t["requests"],
-                "batches": t["batches"],
-                "mean_batch_size": t["items"] / t["batches"] if t["batches"] else 0.0,
-                "max_batch_size": t["max_batch_size"],
-                "mean_queue_wait_s": t["wait"] / t["items"] if t["items"] else 0.0,
-                "in_flight": t["in_flight"],
-                "errors": t["errors"],
-            }
-            for ep, t in totals.items()
-        }
+        with multiplexed endpoints, ``models``: loads, evictions, hits, per-model batch sizes.
+
+        Replicas report sums; they are added up here, and every mean is computed from sums."""
+        sums = {r.replica_id: r.metrics() for r in self.replicas}
+        replicas = {}
+        for replica_id, rm in sums.items():
+            replicas[replica_id] = {**rm, "endpoints": {ep: endpoint_view(st) for ep, st in rm["endpoints"].items()}}
+            if "models" in rm:
+                replicas[replica_id]["models"] = models_view(rm["models"])
         result = {
             "service": self.name,
             "replicas": replicas,
-            "endpoints": endpoints,
+            "endpoints": aggregate_endpoints([rm["endpoints"] for rm in sums.values()]),
             "retried": self.retried,
             "restarts": sum(r.restarts for r in self.replicas),
         }
-        if self.multiplexed:
-            result["models"] = aggregate_metrics([rm["models"] for rm in replicas.values() if "models" in rm])
+        if any(e.multiplexed for e in self.endpoints.values()):
+            result["models"] = aggregate_metrics([rm["models"] for rm in sums.values() if "models" in rm])
         return result
-
-
-def _call_signature(prop: Any) -> inspect.Signature | None:
-    """The endpoint's signature without ``self``, for checking calls before they are sent."""
-    method = getattr(prop, "_forge_method", None)
-    if method is None and not getattr(prop, "_explicit_response_port", False):
-        method = getattr(prop, "_method", None)
-    if method is None:
-        return None
-    try:
-        signature = inspect.signature(method)
-    except (TypeError, ValueError):
-        return None
-    params = list(signature.parameters.values())[1:]  # drop self
-    return signature.replace(parameters=params)
-
-
-async def _raise(exc: BaseException) -> Any:
-    """An error found when a call was made, raised when the caller awaits it."""
-    raise exc
-
-
-def _first_line(value: Any) -> str:
-    try:
-        text = str(value.report())
-    except Exception:
-        text = str(value)
-    return text.strip().splitlines()[-1].strip()[:300] if text.strip() else repr(value)
 
 
 class EndpointHandle:
@@ -522,8 +453,7 @@ class EndpointHandle:
     def __init__(self, service: Service, name: str) -> None:
         self._service = service
         self._name = name
-        self._batched = name in service.batching
-        self._multiplexed = name in service.multiplexed
+        self._spec = service.endpoints[name]
 
     def route(
         self, *args: Any, key: Hashable = None, timeout: float | None = None, **kwargs: Any
@@ -537,18 +467,8 @@ class EndpointHandle:
         queues. A multiplexed endpoint takes ``model_id=`` instead: the model that must serve
         the item.
         """
-        if self._batched:
-            try:
-                if self._multiplexed:
-                    key = self._model_id(key, kwargs)
-                if len(args) != 1 or kwargs:
-                    raise TypeError(
-                        f"{self._service.actor_cls.__name__}.{self._name} is batched: route() takes exactly one item "
-                        f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments)"
-                    )
-            except TypeError as exc:
-                return _raise(exc)
-            return self._service.queue_batched(self._name, args[0], key, timeout)
+        if self._spec.batched:
+            return self._service.queue_batched(self._name, args, kwargs, key, timeout)
         return self._service.request(self._name, args, kwargs, key, timeout)
 
     async def route_many(
@@ -571,21 +491,10 @@ class EndpointHandle:
 
     async def fanout(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """The same request to every healthy replica; one result per replica."""
-        key = self._model_id(None, kwargs) if self._multiplexed else None
-        return await self._service.fanout(self._name, args, kwargs, timeout, key)
-
-    def _model_id(self, key: Hashable, kwargs: dict[str, Any]) -> Hashable:
-        """Pop ``model_id`` from a multiplexed endpoint's call: it is the request's key."""
-        model_id = kwargs.pop("model_id", None)
-        if model_id is None or key is not None:
-            raise TypeError(
-                f"{self._service.actor_cls.__name__}.{self._name} is multiplexed: name the model that serves the "
-                f'item with model_id=... (and no key=), e.g. route(x, model_id="m7")'
-            )
-        return model_id
+        return await self._service.fanout(self._name, args, kwargs, timeout)
 
     def __repr__(self) -> str:
-        kind = " (multiplexed)" if self._multiplexed else " (batched)" if self._batched else ""
+        kind = " (multiplexed)" if self._spec.multiplexed else " (batched)" if self._spec.batched else ""
         return f"<endpoint {self._service.actor_cls.__name__}.{self._name}{kind}>"
 
 

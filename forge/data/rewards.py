@@ -102,23 +102,41 @@ def exact_match_reward(prompt: Prompt, response_text: str) -> float:
     return float(response_text.strip() == prompt.answer.strip())
 
 
-# A number as written in GSM8K text: optional sign, thousands separators, decimals ("1,234.5").
-_NUMBER = r"-?\d+(?:,\d{3})*(?:\.\d+)?"
-_HASH_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
-_ANY_NUMBER = re.compile(_NUMBER)
+# A number as written in GSM8K text: thousands separators and decimals ("1,234.5"), or a bare
+# decimal (".5"). A minus sign counts only where it cannot be a dash or a range: "between 10-12"
+# holds 10 and 12, not -12.
+_UNSIGNED = r"(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"
+_ANY_NUMBER = re.compile(r"(?:(?<![\w.)])-)?" + _UNSIGNED)
+# The marker's answer is the first number after "####", past markdown emphasis ("**72**") and a
+# dollar sign on either side of the sign ("-$3", "$-3"). What follows it ("(48+24)") is ignored.
+_HASH_ANSWER = re.compile(r"####[\s*_]*(-)?\s*\$?\s*(-)?\s*(" + _UNSIGNED + ")")
+
+
+def _normalise(sign: str, digits: str) -> str:
+    """``sign`` + ``digits`` without thousands separators and with a leading zero (".5" -> "0.5")."""
+    digits = digits.replace(",", "")
+    if digits.startswith("."):
+        digits = "0" + digits
+    return sign + digits
 
 
 def extract_final_number(text: str) -> str | None:
-    """The final numeric answer of a GSM8K-style text, normalised (no commas), or ``None``.
+    """The final numeric answer of a GSM8K-style text, normalised, or ``None``.
 
-    The number after the last ``####`` marker wins; without a marker, the last number in the
-    text (so "... so the answer is $42." gives "42").
+    The number right after the last ``####`` marker wins; without a marker, the last number in
+    the text (so "... so the answer is $42." gives "42"). Normalised: no commas, a leading zero
+    for a bare decimal, a sign only where it is one (``#### -$3`` gives "-3"; the "-" of
+    "10-12" is a range, so that text gives "12").
     """
     marked = _HASH_ANSWER.findall(text)
-    numbers = marked or _ANY_NUMBER.findall(text)
+    if marked:
+        sign_before, sign_after, digits = marked[-1]
+        return _normalise(sign_before or sign_after, digits)
+    numbers = _ANY_NUMBER.findall(text)
     if not numbers:
         return None
-    return numbers[-1].replace(",", "")
+    last = numbers[-1]
+    return _normalise("-", last[1:]) if last.startswith("-") else _normalise("", last)
 
 
 @register_reward("gsm8k")

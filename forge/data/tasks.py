@@ -10,7 +10,7 @@ steps in an early run without the KL term); and with the partial-credit reward `
 GRPO groups have a nonzero advantage from the first step. A constant answer scores about 0.19.
 
 Measured (single process, ``grpo_loss``, group 8, 16 prompts per step, AdamW lr 3e-3, beta
-0.04 to the initial model, a 2-layer 64-wide transformer, ~10 s per run on one CPU core):
+0.04 to the initial model, a 2-layer 64-wide transformer; run times in ``docs/benchmarks.md``):
 
 - reward ~0.05 -> ~0.98 within 150 steps on 6 of 6 seeds (PyTorch's default init);
 - with beta 0, about half the seeds collapsed to identical samples and stalled at 0.4-0.7;

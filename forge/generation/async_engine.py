@@ -6,17 +6,17 @@ flight at once, and vLLM's scheduler batches whatever has arrived at each engine
 inputs and outputs as ``VllmEngine`` (token ids, ``processed_logprobs`` behaviour logprobs,
 version tag; with a ``seed``, the same samples), but every method is a coroutine.
 
-How it differs underneath (see /work/shared/research/vllm_cpu.md §2, §5):
+How it differs underneath (figures in ``docs/benchmarks.md``, "Figures the code rests on"):
 
 - ``AsyncLLM`` always runs the engine core (scheduler and model) in a child process; this
   process tokenises, turns outputs into results and talks to it over ZMQ. With forge's
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the model runs inside that child: 2 processes, not 3.
 - Requests reach the engine one by one, so its first steps run on the part of the batch that
-  has arrived: 5-6 engine steps for a 64 x 8 batch of 3 tokens, against 3 for one
-  ``LLM.generate``. With the messaging, that made it 1.3-1.7x slower than ``VllmEngine`` on
-  the GRPO app's batches on CPU (``benchmarks/policy_engine.py``), so it is not the default.
-  Holding the scheduler until a whole batch was queued (pause "keep", add, resume) got it
-  down to 3 steps but only ~3% faster: the per-request messaging, not the steps, is the gap.
+  has arrived: it takes more engine steps for a batch than one ``LLM.generate`` does. With the
+  messaging, that made it slower than ``VllmEngine`` on the GRPO app's batches on CPU
+  (``benchmarks/policy_engine.py``), so it is not the default. Holding the scheduler until a
+  whole batch was queued (pause "keep", add, resume) matched ``LLM.generate``'s step count
+  but barely helped: the per-request messaging, not the steps, is the gap.
 - Weights cross to the child process as safetensors bytes. An update waits for the generate
   calls in flight to finish, and generate calls made meanwhile wait for the update, so every
   completion's version tag is exact.
@@ -45,7 +45,7 @@ from forge.generation.vllm_engine import (
     to_completions,
     token_prompts,
 )
-from forge.generation.weight_sync import checkpoint_spec
+from forge.generation.weight_sync import checkpoint_spec, checkpoint_ties_embeddings
 from forge.types import Completion
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class AsyncVllmEngine:
         enforce_eager: bool = True,
         **engine_kwargs: Any,
     ) -> AsyncVllmEngine:
-        """Start ``AsyncLLM`` and its engine-core process on ``model_path`` (~10 s on CPU).
+        """Start ``AsyncLLM`` and its engine-core process on ``model_path``.
 
         Arguments as ``VllmEngine.create``; extra ``engine_kwargs`` go to ``AsyncEngineArgs``.
         """
@@ -111,11 +111,10 @@ class AsyncVllmEngine:
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         try:
             await engine.collective_rpc("forge_apply_cpu_sampler_fix")
-            text_config = engine.model_config.hf_text_config
             return cls(
                 engine,
                 weight_spec=weight_spec,
-                tied_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+                tied_embeddings=checkpoint_ties_embeddings(engine.model_config),
             )
         except BaseException:
             engine.shutdown()
@@ -147,6 +146,7 @@ class AsyncVllmEngine:
         max_tokens: int,
         top_p: float = 1.0,
         stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
         seed: int | None = None,
     ) -> list[list[Completion]]:
         """Sample ``n`` completions per prompt, each prompt its own concurrent request.
@@ -154,7 +154,7 @@ class AsyncVllmEngine:
         Arguments and result as ``VllmEngine.generate``. If one request fails, the others are
         cancelled (which aborts them in vLLM) and its error is raised.
         """
-        params = sampling_params(len(prompts), n, temperature, max_tokens, top_p, stop, seed)
+        params = sampling_params(len(prompts), n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)
         if not prompts:
             return []
         inputs = token_prompts(prompts, self._tokenizer)

@@ -1,15 +1,15 @@
 """``VllmEngine``: the policy's sampler, a thin synchronous wrapper over an in-process vLLM.
 
-Why it looks like this (measurements in /work/shared/research/vllm_cpu.md and
-``benchmarks/policy_engine.py``):
+Why it looks like this (the figures are in ``docs/benchmarks.md``, "Figures the code rests
+on"; the engine comparison is ``benchmarks/policy_engine.py``):
 
-- **In-process ``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.** On CPU this starts in
-  ~2.5 s instead of ~20 s, uses one process instead of three and is as fast as anything else
-  for one batched call per step. It changes the host process (global RNG seed, a gloo process
+- **In-process ``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.** On CPU this starts several
+  times faster than the multiprocess engine, uses one process instead of three and is as fast
+  as anything else for one batched call per step. It changes the host process (global RNG seed, a gloo process
   group, thread settings), so run the engine in its own actor, not next to a trainer.
 - **One ``LLM.generate`` call per batch**: vLLM batches all prompts x ``n`` samples itself.
   Feeding vLLM's ``AsyncLLM`` one request per prompt instead (``AsyncVllmEngine``) was
-  1.3-1.7x slower for the GRPO app's batches on CPU (``benchmarks/policy_engine.py``).
+  slower for the GRPO app's batches on CPU (``benchmarks/policy_engine.py``).
 - **``logprobs_mode="processed_logprobs"``**: the behaviour logprob of each sampled token is
   ``log_softmax(logits / T)``, the quantity the trainer computes
   (``forge.models.logprobs.padded_token_logprobs``). The default mode ignores the temperature.
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from forge.generation.weight_sync import TIED_HEAD, checkpoint_spec, validate_state_dict
+from forge.generation.weight_sync import TIED_HEAD, checkpoint_spec, checkpoint_ties_embeddings, validate_state_dict
 from forge.types import Completion
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def configure_vllm_env() -> None:
     to run the engine in child processes). vLLM caches its environment once an engine runs, so
     this must happen before the process's first engine; ``create`` calls it.
     ``OMP_NUM_THREADS=1``: for small models on shared CPUs, more threads were never faster and
-    often 2-10x slower. Engines started in child processes read it from the environment;
+    often several times slower. Engines started in child processes read it from the environment;
     torch in this process already read it at import, so ``create`` also applies it with
     ``torch.set_num_threads``. (``create`` also swaps the sampler's compiled rank kernel for an
     eager one on CPU, see ``apply_cpu_sampler_fix``; on a GPU vLLM's compilation is left alone.)
@@ -107,7 +107,7 @@ class VllmEngine:
         enforce_eager: bool = True,
         **engine_kwargs: Any,
     ) -> VllmEngine:
-        """Start vLLM on the Hugging Face checkpoint folder ``model_path`` (~3 s on CPU).
+        """Start vLLM on the Hugging Face checkpoint folder ``model_path``.
 
         ``kv_cache_bytes`` is allocated in full at start (it adds to RSS); a batch runs in one
         wave only if every sequence's blocks fit at once: 16 MiB holds 16k tokens of the
@@ -129,11 +129,10 @@ class VllmEngine:
         # In the worker, wherever it runs: importing the extension there is not enough, since
         # a spawned worker may have imported forge before vllm.
         llm.collective_rpc("forge_apply_cpu_sampler_fix")
-        text_config = llm.llm_engine.model_config.hf_text_config
         return cls(
             llm,
             weight_spec=checkpoint_spec(model_dir),
-            tied_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+            tied_embeddings=checkpoint_ties_embeddings(llm.llm_engine.model_config),
             in_process=in_process,
         )
 
@@ -158,6 +157,7 @@ class VllmEngine:
         max_tokens: int,
         top_p: float = 1.0,
         stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
         seed: int | None = None,
     ) -> list[list[Completion]]:
         """Sample ``n`` completions per prompt in one batched engine call.
@@ -166,9 +166,12 @@ class VllmEngine:
         of ``n`` completions per prompt, in order. ``temperature=0`` is greedy. With ``top_p <
         1`` the logprobs are renormalised over the nucleus, so the trainer must apply the same
         mask to match them. ``seed`` makes the call reproducible; each sample still gets its own
-        stream, so duplicate prompts give different samples.
+        stream, so duplicate prompts give different samples. ``stop_token_ids`` end a completion
+        at any of those tokens (kept as its last token; ``finish_reason`` "stop"), besides the
+        checkpoint's EOS: e.g. ``<|im_end|>``, past which a base model writes a made-up next turn.
+        A completion cut at ``max_tokens`` has ``finish_reason`` "length".
         """
-        params = sampling_params(len(prompts), n, temperature, max_tokens, top_p, stop, seed)
+        params = sampling_params(len(prompts), n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)
         if not prompts:
             return []
         inputs = token_prompts(prompts, self._tokenizer)
@@ -226,6 +229,9 @@ def engine_args(
         kv_cache_memory_bytes=kv_cache_bytes,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=EXTENSION,
+        # Said, not left to vLLM's platform default: a multi-turn trajectory's next turn reuses
+        # the KV blocks of its history. Safe across weight updates: update_weights resets it.
+        enable_prefix_caching=True,
     )
     from vllm.platforms import current_platform
 
@@ -246,6 +252,7 @@ def sampling_params(
     top_p: float,
     stop: list[str] | None,
     seed: int | None,
+    stop_token_ids: list[int] | None = None,
 ) -> SamplingParams | list[SamplingParams]:
     """Check the sampling arguments and build vLLM's ``SamplingParams`` for a call.
 
@@ -260,6 +267,9 @@ def sampling_params(
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    bad = [t for t in stop_token_ids or () if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+    if bad:
+        raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {bad[0]!r}")
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -275,6 +285,7 @@ def sampling_params(
             repetition_penalty=1.0,
             max_tokens=max_tokens,
             stop=stop,
+            stop_token_ids=list(stop_token_ids or ()),
             seed=seed,
             logprobs=0,  # only the sampled token's logprob
             flat_logprobs=True,  # a few flat lists per sample instead of a dict per token

@@ -8,12 +8,28 @@ Why the importance ratio: rollouts run concurrently with training, so a completi
 by a *behaviour* policy that may be a few weight versions behind the one being trained. The
 ratio ``exp(logprobs - behaviour_logprobs)`` corrects for that, and PPO-style clipping keeps a
 stale sample from pushing the policy too far.
+
+Why a mismatch correction: the behaviour logprobs come from vLLM (bf16 kernels on GPUs), the
+trainer's from its own forward pass, so even on-policy tokens have a ratio that is not exactly
+1. For a negative advantage the clipped surrogate does not bound the ratio from above, so one
+token that vLLM found much less likely than the trainer does can dominate a step. Two opt-in
+bounds: ``dual_clip`` (Ye et al. 2020, verl's ``clip_ratio_c``) caps that token's loss at
+``dual_clip * |A|``; ``tis_cap`` (truncated importance sampling, as TRL's and verl's vLLM
+correction) weights each token by ``min(exp(trainer - behaviour), tis_cap)``. The loss reports
+``mismatch_max``/``mismatch_mean`` (``|trainer - behaviour|`` logprob) so drift is visible.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+
 import torch
 from torch import Tensor
+
+# verl's low_var_kl bounds: the log-ratio is clamped before exp() (so a -100 gives a finite
+# value, not inf) and the per-token estimate after it.
+KL_LOG_RATIO_BOUND = 20.0
+KL_BOUND = 10.0
 
 
 def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True) -> Tensor:
@@ -23,17 +39,23 @@ def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True) -> 
     std (``scale=True``, as in DeepSeekMath) makes every prompt's update the same size whatever
     its reward spread; ``scale=False`` keeps raw differences (Dr. GRPO / nanochat style).
     The std is the population std (no Bessel correction) so a group of one gives a zero
-    advantage instead of NaN; a group whose rewards are all equal also gets zeros.
+    advantage instead of NaN; a group whose rewards are all equal gets exact zeros.
 
-    rewards: [G] -> advantages: [G]
+    Computed in float64 and returned as float32: in float32 the mean of eight rewards of 0.3 is
+    off by one rounding step, and that residue divided by a std of the same size (plus ``eps``)
+    gave every completion an advantage of +0.029 where all should be 0.
+
+    rewards: [G] -> advantages: [G] float32
     """
     if rewards.dim() != 1 or rewards.numel() == 0:
         raise ValueError(f"rewards must be a non-empty 1-D tensor [G] of one group, got shape {tuple(rewards.shape)}")
-    rewards = rewards.float()
+    rewards = rewards.double()
+    if bool((rewards == rewards[0]).all()):
+        return torch.zeros(rewards.shape, dtype=torch.float32, device=rewards.device)  # nothing to prefer
     centred = rewards - rewards.mean()  # [G]
-    if not scale:
-        return centred
-    return centred / (rewards.std(correction=0) + eps)  # [G]
+    if scale:
+        centred = centred / (rewards.std(correction=0) + eps)  # [G]
+    return centred.float()
 
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -41,6 +63,9 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
     Schulman's k3 estimator is unbiased for tokens sampled from the policy, always >= 0, and
     needs only the sampled token's logprob under each model (no full-vocabulary distributions).
+    Clamped as verl's ``low_var_kl``: ``r`` to +-``KL_LOG_RATIO_BOUND`` and the estimate to at
+    most ``KL_BOUND``, so a token the reference finds impossible (``r = -100``) costs a bounded
+    amount instead of inf (and inf * 0 = NaN in a masked sum).
 
     logprobs, ref_logprobs: [...] (same shape) -> kl: [...]
     """
@@ -48,8 +73,45 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} must have the same shape"
         )
-    log_ratio = ref_logprobs - logprobs
-    return torch.exp(log_ratio) - log_ratio - 1
+    log_ratio = torch.clamp(ref_logprobs - logprobs, -KL_LOG_RATIO_BOUND, KL_LOG_RATIO_BOUND)
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, max=KL_BOUND)
+
+
+def trainable_lengths(
+    response_ids: Sequence[Tensor],
+    finish_reasons: Sequence[str],
+    *,
+    stop_token_ids: Collection[int] = (),
+    mask_truncated: bool = False,
+) -> list[int]:
+    """How many leading tokens of each response the loss trains on.
+
+    A response is trained up to and including its first stop token (``stop_token_ids``):
+    whatever a sampler wrote after it (a base model's made-up next turn past ``<|im_end|>``)
+    is not the answer and must not be trained. With ``mask_truncated``, a response cut at the
+    length limit (``finish_reason == "length"``) trains nothing: its reward judged an unfinished
+    answer, so its advantage says nothing about how the model should end.
+
+    response_ids: B tensors [T_b]; finish_reasons: B strings -> B lengths (0 <= n_b <= T_b)
+    """
+    if len(response_ids) != len(finish_reasons):
+        raise ValueError(
+            f"response_ids and finish_reasons must have one entry per response, "
+            f"got {len(response_ids)} and {len(finish_reasons)}"
+        )
+    stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
+    lengths = []
+    for ids, reason in zip(response_ids, finish_reasons):
+        if mask_truncated and reason == "length":
+            lengths.append(0)
+            continue
+        n = int(ids.numel())
+        if stops.numel():
+            hits = torch.nonzero(torch.isin(ids.long(), stops)).flatten()
+            if hits.numel():
+                n = int(hits[0]) + 1  # keep the stop token itself: the model must learn to stop
+        lengths.append(n)
+    return lengths
 
 
 def grpo_loss(
@@ -62,6 +124,8 @@ def grpo_loss(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     beta: float = 0.04,
+    dual_clip: float | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO loss of a batch of episodes, to minimise, and detached statistics for logging.
 
@@ -70,7 +134,7 @@ def grpo_loss(
         ratio  = exp(logprobs - behaviour_logprobs)
         pg     = -min(ratio * A_b, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A_b)
         kl     = k3_kl(logprobs, ref_logprobs)
-        token  = pg + beta * kl
+        token  = pg + beta * kl            (no KL term at all when beta == 0)
 
     Aggregation: the masked per-token mean within each sequence, then the mean over sequences
     (the original GRPO objective). Every sequence weighs the same whatever its length, so a long
@@ -79,8 +143,18 @@ def grpo_loss(
     a valid token.
 
     ``clip_eps_high`` (DAPO's "clip higher") lets the ratio rise further than it may fall; it
-    defaults to ``clip_eps``. ``beta=0`` drops the reference model from the gradient (its
-    logprobs are still used for the logged KL).
+    defaults to ``clip_eps``. ``beta=0`` drops the reference model from the gradient and the
+    loss (its logprobs are still used for the logged KL).
+
+    Mismatch corrections (module docstring), both off by default:
+
+    - ``dual_clip`` (> 1): for ``A < 0``, ``pg = min(pg, -dual_clip * A)``: the ratio's pull is
+      capped at ``dual_clip`` times the advantage, as verl's ``clip_ratio_c``.
+    - ``tis_cap`` (> 0): truncated importance sampling as TRL's and verl's vLLM correction. The
+      PPO ratio is taken against the trainer's own detached logprobs (``exp(lp - sg(lp))``, value
+      1: one optimizer step per batch), and each token's loss is multiplied by the detached
+      weight ``min(exp(lp - behaviour_logprobs), tis_cap)``. Staleness and kernel mismatch are
+      both folded into that bounded weight.
 
     logprobs:           [B, T] current policy's logprob of each sampled token (with grad)
     behaviour_logprobs: [B, T] logprob under the policy that sampled it (no grad)
@@ -89,8 +163,10 @@ def grpo_loss(
     mask:               [B, T] 1 for response tokens, 0 for padding (bool or float)
 
     Returns ``(loss [], stats)`` with stats ``kl`` (masked token mean of k3 KL),
-    ``clip_fraction`` (share of valid tokens whose gradient the clip zeroed), ``ratio_mean``,
-    ``pg_loss`` and ``kl_loss`` (each term aggregated like the loss). No entropy is computed:
+    ``clip_fraction`` (share of valid tokens whose gradient the clip zeroed), ``ratio_mean``
+    (of ``exp(lp - behaviour)``), ``mismatch_max`` and ``mismatch_mean`` (of ``|lp - behaviour|``
+    over valid tokens: the drift between sampler and trainer), ``pg_loss`` and ``kl_loss`` (each
+    term aggregated like the loss). No entropy is computed:
     that would need full-vocabulary logits, which the loss never sees.
     """
     if logprobs.dim() != 2:
@@ -107,6 +183,10 @@ def grpo_loss(
     if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):
         raise ValueError(f"clip_eps ({clip_eps}) and clip_eps_high ({clip_eps_high}) must be >= 0")
     clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1 (or None to disable it), got {dual_clip}")
+    if tis_cap is not None and not tis_cap > 0:
+        raise ValueError(f"tis_cap must be > 0 (or None to disable it), got {tis_cap}")
 
     valid = mask.bool()  # [B, T]
     mask = valid.to(logprobs.dtype)  # [B, T]
@@ -118,10 +198,20 @@ def grpo_loss(
     behaviour_logprobs = torch.where(valid, behaviour_logprobs.detach(), zero)
     ref_logprobs = torch.where(valid, ref_logprobs.detach(), zero)
 
-    ratio = torch.exp(logprobs - behaviour_logprobs)  # [B, T]
+    log_mismatch = logprobs.detach() - behaviour_logprobs  # [B, T]
+    behaviour_ratio = torch.exp(log_mismatch)  # [B, T], no grad: for the stats and TIS
+    if tis_cap is None:
+        ratio = torch.exp(logprobs - behaviour_logprobs)  # [B, T]
+    else:
+        ratio = torch.exp(logprobs - logprobs.detach())  # [B, T], value 1, gradient of lp
     unclipped = ratio * adv  # [B, T]
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_high) * adv  # [B, T]
     pg_per_token = -torch.minimum(unclipped, clipped)  # [B, T]
+    if dual_clip is not None:
+        # Only negative advantages: there -ratio * A grows without bound in the ratio.
+        pg_per_token = torch.where(adv < 0, torch.minimum(pg_per_token, -dual_clip * adv), pg_per_token)
+    if tis_cap is not None:
+        pg_per_token = pg_per_token * torch.clamp(behaviour_ratio, max=tis_cap)  # [B, T]
     kl_per_token = k3_kl(logprobs, ref_logprobs)  # [B, T]
 
     tokens_per_seq = mask.sum(dim=1)  # [B]
@@ -134,7 +224,8 @@ def grpo_loss(
 
     pg_loss = seq_mean(pg_per_token)
     kl_loss = seq_mean(kl_per_token)
-    loss = pg_loss + beta * kl_loss
+    # beta == 0 leaves the KL out of the graph entirely: 0 * (a non-finite KL) would be NaN.
+    loss = pg_loss + beta * kl_loss if beta != 0 else pg_loss
 
     with torch.no_grad():
         num_tokens = mask.sum().clamp(min=1)
@@ -144,7 +235,9 @@ def grpo_loss(
         stats = {
             "kl": (kl_per_token * mask).sum() / num_tokens,
             "clip_fraction": (clipped_tokens.to(mask.dtype) * mask).sum() / num_tokens,
-            "ratio_mean": (ratio * mask).sum() / num_tokens,
+            "ratio_mean": (behaviour_ratio * mask).sum() / num_tokens,
+            "mismatch_max": torch.where(valid, log_mismatch.abs(), zero).max() if valid.any() else zero,
+            "mismatch_mean": (log_mismatch.abs() * mask).sum() / num_tokens,
             "pg_loss": pg_loss.detach(),
             "kl_loss": kl_loss.detach(),
         }

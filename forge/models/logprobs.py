@@ -9,16 +9,29 @@ trainer must apply the same mask to match).
 
 Sequences of different lengths are right-padded into one batch. Position ids are computed from
 the attention mask, so each sequence sees positions 0, 1, 2, ... whatever the padding.
+
+Memory is bounded by tokens, not by the batch: the model's forward pass keeps only one position
+of logits (``logits_to_keep=1``), and the head is applied to the decoder's hidden states of the
+wanted positions (``positions``, e.g. the response tokens) ``chunk_tokens`` rows at a time. So the
+full ``[B, L, V]`` logits never exist, in float32 or otherwise: at Qwen3's 151,936-token
+vocabulary they cost ~0.6 MB per token, 68 GB for 64 sequences of 700 tokens. With gradient each
+chunk is checkpointed (``torch.utils.checkpoint``): backward recomputes one chunk's logits at a
+time instead of keeping every chunk's for it.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["PaddedBatch", "pack_right_padded", "padded_token_logprobs", "sequence_logprobs"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "PaddedBatch", "pack_right_padded", "padded_token_logprobs", "sequence_logprobs"]
+
+DEFAULT_CHUNK_TOKENS = 512
+"""Rows of logits computed at once: 512 x 151,936 x 4 bytes = 311 MB at Qwen3's vocabulary."""
 
 
 @dataclass
@@ -27,6 +40,8 @@ class PaddedBatch:
 
     ``response_mask`` is aligned with the output of ``padded_token_logprobs`` (one column
     shorter than ``input_ids``): column ``j`` is True when token ``j + 1`` is a response token.
+    ``loss_mask`` marks the response tokens a loss trains on: the first ``loss_lens[b]`` of each
+    response (all of them unless ``pack_right_padded`` was given ``loss_lens``).
     """
 
     input_ids: torch.Tensor  # int64 [B, L]
@@ -34,17 +49,25 @@ class PaddedBatch:
     response_mask: torch.Tensor  # bool [B, L - 1]
     prompt_lens: list[int]
     response_lens: list[int]
+    loss_mask: torch.Tensor | None = None  # bool [B, L - 1], a subset of response_mask
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.response_mask
 
 
 def pack_right_padded(
     prompt_ids: Sequence[torch.Tensor],
     response_ids: Sequence[torch.Tensor],
     pad_id: int = 0,
+    loss_lens: Sequence[int] | None = None,
 ) -> PaddedBatch:
     """Concatenate each prompt with its response and right-pad them to one length.
 
-    Raises ``ValueError`` if the lists differ in length, a tensor is not 1-D, or a prompt is
-    empty (the first response token needs at least one token to be predicted from).
+    ``loss_lens`` (e.g. from ``forge.losses.trainable_lengths``) limits ``loss_mask`` to each
+    response's first ``loss_lens[b]`` tokens. Raises ``ValueError`` if the lists differ in
+    length, a tensor is not 1-D, a prompt is empty (the first response token needs at least one
+    token to be predicted from) or a loss length is outside ``[0, response length]``.
     """
     if len(prompt_ids) != len(response_ids):
         raise ValueError(
@@ -63,6 +86,12 @@ def pack_right_padded(
 
     prompt_lens = [int(p.numel()) for p in prompt_ids]
     response_lens = [int(r.numel()) for r in response_ids]
+    if loss_lens is not None:
+        if len(loss_lens) != len(response_lens):
+            raise ValueError(f"loss_lens has {len(loss_lens)} entries for {len(response_lens)} responses")
+        for i, (n, limit) in enumerate(zip(loss_lens, response_lens)):
+            if not 0 <= n <= limit:
+                raise ValueError(f"loss_lens[{i}] is {n}, expected 0..{limit} (the response's length)")
     length = max(p + r for p, r in zip(prompt_lens, response_lens))
     batch = len(prompt_ids)
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
@@ -75,7 +104,12 @@ def pack_right_padded(
         attention_mask[i, : n_p + n_r] = 1
         # Token at position n_p + t is predicted by column n_p + t - 1.
         response_mask[i, n_p - 1 : n_p - 1 + n_r] = True
-    return PaddedBatch(input_ids, attention_mask, response_mask, prompt_lens, response_lens)
+    loss_mask = None
+    if loss_lens is not None:
+        loss_mask = torch.zeros_like(response_mask)
+        for i, (n_p, n) in enumerate(zip(prompt_lens, loss_lens)):
+            loss_mask[i, n_p - 1 : n_p - 1 + n] = True
+    return PaddedBatch(input_ids, attention_mask, response_mask, prompt_lens, response_lens, loss_mask)
 
 
 def padded_token_logprobs(
@@ -83,12 +117,17 @@ def padded_token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
+    *,
+    positions: torch.Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """Logprob of every next token in a padded batch, in float32, with gradient.
 
     Returns ``[B, L - 1]``: column ``j`` is ``log p(input_ids[:, j + 1] | input_ids[:, :j + 1])``
-    at ``temperature``. Columns whose target is padding hold meaningless values; mask them
-    (``PaddedBatch.response_mask``). Works for left or right padding.
+    at ``temperature``. Only the columns in ``positions`` (bool ``[B, L - 1]``, e.g.
+    ``PaddedBatch.response_mask``; None: all of them) are computed; the others hold 0. Columns
+    whose target is padding hold meaningless values: mask them. Logits are computed
+    ``chunk_tokens`` rows at a time (module docstring). Works for left or right padding.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -97,13 +136,63 @@ def padded_token_logprobs(
             f"input_ids and attention_mask must both be [B, L], "
             f"got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
         )
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+    batch, length = input_ids.shape
+    if positions is None:
+        positions = torch.ones((batch, max(length - 1, 0)), dtype=torch.bool, device=input_ids.device)
+    elif positions.shape != (batch, max(length - 1, 0)):
+        raise ValueError(f"positions must be [B, L - 1] = {(batch, length - 1)}, got {tuple(positions.shape)}")
+    positions = positions.to(device=input_ids.device, dtype=torch.bool)
+    hidden = _final_hidden_states(model, input_ids, attention_mask)  # [B, L, H]
+    head = model.get_output_embeddings()
+    rows = hidden[:, :-1][positions]  # [N, H]: only the wanted positions reach the head
+    targets = input_ids[:, 1:][positions]  # [N]
+    pieces = []
+    for start in range(0, rows.shape[0], chunk_tokens):
+        h, t = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled() and h.requires_grad:
+            # Backward recomputes this chunk's logits instead of keeping them.
+            pieces.append(checkpoint(_chunk_logprobs, head, h, t, temperature, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(head, h, t, temperature))
+    values = torch.cat(pieces) if pieces else hidden.new_zeros((0,), dtype=torch.float32)
+    out = torch.zeros(positions.shape, dtype=torch.float32, device=hidden.device)
+    return out.masked_scatter(positions, values)  # differentiable in ``values``
+
+
+def _chunk_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``log_softmax(head(hidden) / T)`` at ``targets``: [c, H], [c] -> [c] float32."""
+    logits = head(hidden).float() / temperature  # [c, V]
+    # gather - logsumexp == log_softmax(...).gather, without a second [c, V] tensor.
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The decoder's output (what the head reads), from the model's own forward pass.
+
+    The pass goes through ``model(...)``, not ``model.get_decoder()`` directly, so wrappers'
+    hooks on the root module (FSDP2's unshard) run as usual; a hook on the decoder catches its
+    output, and ``logits_to_keep=1`` keeps the forward's own logits to one position.
+    """
+    captured: list[torch.Tensor] = []
+
+    def keep(_module: torch.nn.Module, _args: object, output: object) -> None:
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
     # Positions count real tokens only; pads get 0 (their outputs are masked anyway).
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, :-1].float() / temperature  # [B, L-1, V]
-    targets = input_ids[:, 1:].unsqueeze(-1)  # [B, L-1, 1]
-    # gather - logsumexp == log_softmax(...).gather, without a second [B, L-1, V] tensor.
-    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    handle = model.get_decoder().register_forward_hook(keep)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise RuntimeError(f"expected the decoder of {type(model).__name__} to run once, it ran {len(captured)} times")
+    return captured[0]
 
 
 @torch.no_grad()
@@ -113,16 +202,23 @@ def sequence_logprobs(
     response_ids: Sequence[torch.Tensor],
     temperature: float = 1.0,
     pad_id: int = 0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> list[torch.Tensor]:
     """Per-token logprobs of each response given its prompt, without gradient.
 
-    One forward pass over the right-padded batch. Returns one float32 CPU tensor per response,
-    of that response's length, ready to travel in an ``Episode`` (e.g. as ``ref_logprobs``).
+    One forward pass over the right-padded batch; logits only for response tokens, in chunks.
+    Returns one float32 CPU tensor per response, of that response's length, ready to travel in
+    an ``Episode`` (e.g. as ``ref_logprobs``).
     """
     batch = pack_right_padded(prompt_ids, response_ids, pad_id)
     device = next(model.parameters()).device
     token_lp = padded_token_logprobs(
-        model, batch.input_ids.to(device), batch.attention_mask.to(device), temperature
+        model,
+        batch.input_ids.to(device),
+        batch.attention_mask.to(device),
+        temperature,
+        positions=batch.response_mask.to(device),
+        chunk_tokens=chunk_tokens,
     ).cpu()
     return [
         token_lp[i, n_p - 1 : n_p - 1 + n_r].clone()

@@ -13,6 +13,14 @@ Choices that matter:
 - **head_dim 64.** vLLM's CPU attention kernels support only some head sizes; 64 is the smallest.
 - **Tied embeddings**, as in small Qwen checkpoints. ``save_pretrained`` then writes no
   ``lm_head.weight``; weight sync must add it back (see ``forge.generation.weight_sync``).
+- **Real-model layouts on request** (``LAYOUTS``), because real checkpoints differ in ways
+  that broke forge and a tiny default model never showed: a tied checkpoint that still stores
+  ``lm_head.weight`` (Qwen3-1.7B), untied embeddings, a 151,936-token vocabulary (Qwen3's,
+  where full logits cost ~0.6 MB per token in float32) on a tiny body, and a chat template
+  with ``<|im_start|>``/``<|im_end|>`` whose ``<|im_end|>`` is *not* the EOS (a base model's
+  layout: only ``policy.stop_token_ids`` stops it there). In a Qwen3-sized vocabulary the chat
+  tokens have Qwen3's ids (151644, 151645), so one config's stop ids fit both. Extra vocabulary
+  ids decode to ``<|extra_N|>`` and are never produced by encoding.
 - **Idempotent and atomic.** The model is written to a temporary sibling folder and renamed, so
   concurrent test workers never see half a model; a complete model with the same settings is
   reused.
@@ -44,7 +52,12 @@ __all__ = [
     "ARCHS",
     "BOS_TOKEN",
     "CHARS",
+    "CHAT_TEMPLATE",
+    "CHAT_TOKENS",
     "EOS_TOKEN",
+    "LAYOUTS",
+    "QWEN3_CHAT_IDS",
+    "QWEN3_VOCAB_SIZE",
     "PAD_TOKEN",
     "SPECIAL_TOKENS",
     "UNK_TOKEN",
@@ -64,6 +77,30 @@ CHARS: tuple[str, ...] = tuple(
     "abcdefghijklmnopqrstuvwxyz"  # text is lower-cased by the tokenizer's normalizer
     ".,:;?!()[]<>_#'\"%\n"
 )
+# Chat-format tokens, appended after the characters (the toy ids above stay the same).
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHAT_TOKENS: tuple[str, ...] = (IM_START, IM_END)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN3_VOCAB_SIZE = 151_936  # Qwen3's embedding rows (its tokenizer has fewer tokens)
+QWEN3_CHAT_IDS = (151_644, 151_645)  # <|im_start|>, <|im_end|> in Qwen3's vocabulary
+# Named layouts: the keyword arguments of ``make_tiny_model`` that reproduce a real checkpoint's.
+LAYOUTS: dict[str, dict] = {
+    "tied": {},
+    "tied_stored_head": {"store_tied_head": True},
+    "untied": {"tie_embeddings": False},
+    "big_vocab": {"vocab_size": QWEN3_VOCAB_SIZE},
+    "chat": {"arch": "qwen3", "chat_template": True},
+    # Everything Qwen3-1.7B's checkpoint has that the default tiny model lacks, at once.
+    "qwen3_1_7b": {
+        "arch": "qwen3",
+        "store_tied_head": True,
+        "vocab_size": QWEN3_VOCAB_SIZE,
+        "chat_template": True,
+    },
+}
 HEAD_DIM = 64  # the smallest head size vLLM's CPU attention supports
 MAX_POSITIONS = 2048
 # Written last: its presence (with matching settings) is what makes a model "complete".
@@ -77,14 +114,30 @@ _FILES = (
 )
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
+def build_char_tokenizer(*, chat_template: bool = False, vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     """Build the character-level tokenizer: one token per character, lower-cased.
 
     Unknown characters map to ``<unk>``. No BOS is prepended (as for Qwen), so a prompt's
-    token ids are exactly its characters; ``<eos>`` ends every completion.
+    token ids are exactly its characters; ``<eos>`` ends every completion. With
+    ``chat_template``, ``<|im_start|>`` and ``<|im_end|>`` are special tokens (one id each,
+    also inside a prompt string) and ``apply_chat_template`` writes the Qwen chat format.
+    ``vocab_size`` pads the vocabulary with ``<|extra_N|>`` tokens up to that many ids.
     """
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
-    if len(vocab) != len(SPECIAL_TOKENS) + len(CHARS):
+    chat = CHAT_TOKENS if chat_template else ()
+    base = SPECIAL_TOKENS + CHARS
+    size = vocab_size or len(base) + len(chat)
+    if size < len(base) + len(chat):
+        raise ValueError(f"vocab_size must be >= {len(base) + len(chat)} (the tokenizer's own tokens), got {size}")
+    tokens = list(base)
+    if chat and size > max(QWEN3_CHAT_IDS):
+        # Qwen3's own ids, so a config's stop_token_ids mean the same token here and in Qwen3.
+        tokens += [f"<|extra_{i}|>" for i in range(size - len(base))]
+        for token, token_id in zip(CHAT_TOKENS, QWEN3_CHAT_IDS):
+            tokens[token_id] = token
+    else:
+        tokens += list(chat) + [f"<|extra_{i}|>" for i in range(size - len(base) - len(chat))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
         raise ValueError("CHARS must not repeat a character or a special token")
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
     tok.normalizer = normalizers.Lowercase()
@@ -92,8 +145,8 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     # Fuse joins the pieces with no separator; the default decoder would insert spaces.
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
+    tok.add_special_tokens(list(SPECIAL_TOKENS + chat))
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD_TOKEN,
         bos_token=BOS_TOKEN,
@@ -101,6 +154,9 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         unk_token=UNK_TOKEN,
         model_max_length=MAX_POSITIONS,
     )
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def make_tiny_model(
@@ -111,9 +167,19 @@ def make_tiny_model(
     num_layers: int = 2,
     seed: int = 0,
     init_std: float = 0.02,
+    tie_embeddings: bool = True,
+    store_tied_head: bool = False,
+    vocab_size: int | None = None,
+    chat_template: bool = False,
     overwrite: bool = False,
 ) -> Path:
     """Write a random-init tiny causal LM and its tokenizer to ``path``; return the path.
+
+    The layout arguments reproduce real checkpoints (``LAYOUTS`` names the combinations):
+    ``tie_embeddings=False`` gives ``lm_head`` its own weights; ``store_tied_head`` writes
+    ``lm_head.weight`` into the safetensors file although it is tied (as Qwen3-1.7B does);
+    ``vocab_size`` sets the embedding rows (e.g. ``QWEN3_VOCAB_SIZE``); ``chat_template`` adds
+    the ``<|im_start|>``/``<|im_end|>`` tokens and template.
 
     Reuses a complete model already at ``path`` if it was made with the same settings, so test
     fixtures and scripts can call this unconditionally. ``init_std`` is the weights' normal
@@ -122,7 +188,8 @@ def make_tiny_model(
     not near-ties that float rounding could swap.
 
     Raises ``ValueError`` for an unknown ``arch``, a ``hidden_size`` that is not a multiple of
-    64, or an existing different model at ``path`` without ``overwrite=True``.
+    64, ``store_tied_head`` without tied embeddings, a ``vocab_size`` smaller than the
+    tokenizer, or an existing different model at ``path`` without ``overwrite=True``.
     """
     path = Path(path)
     if arch not in ARCHS:
@@ -135,6 +202,13 @@ def make_tiny_model(
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     if not init_std > 0:
         raise ValueError(f"init_std must be > 0, got {init_std}")
+    if chat_template and arch == "qwen2":
+        # transformers >= 5 loads a qwen2 checkpoint's tokenizer as Qwen2Tokenizer, whose own
+        # byte-level pre-tokenizer drops "\n" from this vocabulary; qwen3 keeps tokenizer.json's.
+        raise ValueError("chat_template needs arch='qwen3': transformers re-tokenises qwen2 checkpoints")
+    if store_tied_head and not tie_embeddings:
+        raise ValueError("store_tied_head needs tie_embeddings=True (an untied head is always stored)")
+    tokenizer = build_char_tokenizer(chat_template=chat_template, vocab_size=vocab_size)  # checks vocab_size
     spec = {
         "arch": arch,
         "hidden_size": hidden_size,
@@ -143,6 +217,16 @@ def make_tiny_model(
         "init_std": init_std,
         "vocab": list(SPECIAL_TOKENS + CHARS),
     }
+    # Only non-default layout settings enter the marker, so models made before these existed
+    # are still recognised as the same model.
+    layout = {
+        "tie_embeddings": tie_embeddings,
+        "store_tied_head": store_tied_head,
+        "vocab_size": len(tokenizer) if vocab_size is not None else None,
+        "chat_template": chat_template,
+    }
+    defaults = {"tie_embeddings": True, "store_tied_head": False, "vocab_size": None, "chat_template": False}
+    spec.update({k: v for k, v in layout.items() if v != defaults[k]})
 
     existing = _read_marker(path)
     if existing == spec and not overwrite:
@@ -152,7 +236,7 @@ def make_tiny_model(
         raise ValueError(f"{path} already holds {what}; pass overwrite=True to replace it")
 
     with staged_folder(path, prefix=f".{path.name}.") as staging:
-        _write_model(staging, spec)
+        _write_model(staging, spec, tokenizer)
     return path
 
 
@@ -167,10 +251,10 @@ def _read_marker(path: Path) -> dict | None:
         return None
 
 
-def _write_model(folder: Path, spec: dict) -> None:
+def _write_model(folder: Path, spec: dict, tokenizer: PreTrainedTokenizerFast) -> None:
     """Build the config, weights and tokenizer described by ``spec`` into ``folder``."""
-    tokenizer = build_char_tokenizer()
     hidden = spec["hidden_size"]
+    tied = spec.get("tie_embeddings", True)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -180,7 +264,7 @@ def _write_model(folder: Path, spec: dict) -> None:
         num_key_value_heads=hidden // HEAD_DIM,
         max_position_embeddings=MAX_POSITIONS,
         initializer_range=spec["init_std"],
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -200,8 +284,23 @@ def _write_model(folder: Path, spec: dict) -> None:
     )
     with _quiet_progress_bars():
         model.save_pretrained(folder)
+    if spec.get("store_tied_head"):
+        _store_tied_head(folder / "model.safetensors")
     tokenizer.save_pretrained(folder)
     (folder / _MARKER).write_text(json.dumps(spec, indent=1))
+
+
+def _store_tied_head(file: Path) -> None:
+    """Add ``lm_head.weight`` (a copy of the embedding) to a tied checkpoint, as Qwen3-1.7B has it.
+
+    ``save_pretrained`` leaves a tied head out; some real tied checkpoints store it anyway, and
+    every loader (transformers, vLLM, forge's weight sync) must accept that.
+    """
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(file))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(file), metadata={"format": "pt"})
 
 
 @contextlib.contextmanager

@@ -79,11 +79,34 @@ def test_app_trains_a_few_steps_and_writes_metrics_and_plot(tmp_path: Path) -> N
     assert "grpo: 3 steps" in out and "reward first-3" in out
 
 
+def test_app_learns_reward_rises_from_an_on_policy_first_step(tmp_path: Path) -> None:
+    """30 steps of 32 prompts on the toy task: the reward of the last 5 steps is well above that
+    of the first 5, and step 1 (policy, trainer and reference all at the initial weights) has an
+    importance ratio of about 1 and a KL of about 0."""
+    code, out, err = _finish(_app(tmp_path, "steps=30", "prompts_per_step=32", "group_size=8"), timeout=170)
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    first, last = (sum(r["reward_mean"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
+    assert last > first + 0.08, [round(r["reward_mean"], 3) for r in rows]
+    # The mean ratio is ~1 in expectation for any pair of policies, so the bound is tight: a
+    # trainer at another temperature than the policy gave 0.995 here.
+    assert abs(rows[0]["ratio_mean"] - 1.0) < 1e-3, rows[0]
+    assert abs(rows[0]["kl"]) < 1e-3, rows[0]
+
+
 def test_role_failure_stops_the_run_with_a_clear_message(tmp_path: Path) -> None:
-    """The reward process dying mid-run ends the app promptly, exit code != 0, naming the role."""
+    """The reward process dying mid-run, with no restart allowed (faults.max_restarts=0), ends the
+    app promptly, exit code != 0, naming the role (restarts: tests/integration/test_grpo_faults.py)."""
     started = time.monotonic()
     code, out, err = _finish(
-        _app(tmp_path, "steps=50", "reward.fns={tests.integration.test_grpo_app:crash_after_warmup: 1.0}"), timeout=120
+        _app(
+            tmp_path,
+            "steps=50",
+            "reward.fns={tests.integration.test_grpo_app:crash_after_warmup: 1.0}",
+            "faults.max_restarts=0",
+        ),
+        timeout=120,
     )
     assert code != 0
     assert "role 'reward' failed" in err, err[-3000:]
@@ -121,7 +144,7 @@ def test_killed_run_resumes_from_its_last_checkpoint_with_the_same_step_numbers(
     """SIGKILL after a checkpoint, then --resume: exit 0, steps 1..N once each, versions continue."""
     import psutil
 
-    from forge.checkpoint import latest_checkpoint, load_checkpoint
+    from forge.checkpoint import latest_checkpoint, read_training_state
 
     checkpoints = tmp_path / "out" / "checkpoints"
     proc = _app(tmp_path, "steps=1000", "trainer.checkpoint_every=2")
@@ -140,7 +163,7 @@ def test_killed_run_resumes_from_its_last_checkpoint_with_the_same_step_numbers(
         child.kill()
     assert not alive, f"the killed app left processes behind: {[c.pid for c in alive]}"
 
-    _, saved = load_checkpoint(latest_checkpoint(checkpoints))
+    saved = read_training_state(latest_checkpoint(checkpoints))
     k, killed_lines = saved.step, _metrics_lines(tmp_path)
     assert saved.policy_version == k and saved.extra["dataset_position"] >= k * 4
     assert len(killed_lines) >= k
@@ -158,7 +181,7 @@ def test_killed_run_resumes_from_its_last_checkpoint_with_the_same_step_numbers(
     assert rows[k]["policy_age_mean"] == 0.0
     last = latest_checkpoint(checkpoints)
     assert last.name == f"step_{steps:08d}"  # the last step is always checkpointed
-    assert load_checkpoint(last)[1].extra["dataset_position"] > saved.extra["dataset_position"]
+    assert read_training_state(last).extra["dataset_position"] > saved.extra["dataset_position"]
     assert not list((tmp_path / "weights").iterdir()), "the killed trainer's weight files were not removed"
 
 
@@ -173,7 +196,9 @@ def test_fresh_run_refuses_an_output_dir_that_holds_checkpoints(tmp_path: Path) 
     """Without --resume, a run into a folder with checkpoints exits 2 instead of mixing two runs."""
     from forge.checkpoint import TrainingState, save_checkpoint
 
-    save_checkpoint(tmp_path / "out" / "checkpoints", {"w": torch.zeros(2)}, TrainingState(4, 4, {}, {}))
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_checkpoint(tmp_path / "out" / "checkpoints", model, optimizer, TrainingState(4, 4))
     code, out, err = _finish(_app(tmp_path), timeout=60)
     assert code == 2
     assert "holds checkpoints of an earlier run (newest step_00000004); add --resume" in err

@@ -241,6 +241,29 @@ async def test_stop_string_ends_the_text_before_it(engine: Engine) -> None:
     assert stopped.logprobs.shape == stopped.token_ids.shape
 
 
+async def test_stop_token_ids_end_a_completion_at_the_first_one_and_finish_reasons_say_why(
+    engine: Engine, tiny_model_dir: Path
+) -> None:
+    """Digits as stop tokens: a "stop" completion ends at its only stop token (kept, with its
+    logprob); a "length" one has max_tokens tokens and no stop token."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    groups = await settle(
+        engine.generate(PROMPTS[:2], n=8, temperature=1.0, max_tokens=MAX_TOKENS, stop_token_ids=digits, seed=3)
+    )
+    reasons = {"stop": 0, "length": 0}
+    for c in _flat(groups):
+        ids = c.token_ids.tolist()
+        stops_at = [i for i, t in enumerate(ids) if t in digits]
+        reasons[c.finish_reason] += 1
+        assert c.logprobs.shape == c.token_ids.shape
+        if c.finish_reason == "length":
+            assert len(ids) == MAX_TOKENS and not stops_at
+        else:  # ended by the EOS (no stop token before it) or by its first stop token
+            assert stops_at == ([] if ids[-1] == tokenizer.eos_token_id else [len(ids) - 1])
+    assert reasons["stop"] > 0
+
+
 async def test_prompt_longer_than_the_model_fails_the_call_and_the_engine_keeps_working(engine: Engine) -> None:
     """One over-long prompt fails the whole call with vLLM's message; the next call works."""
     with pytest.raises(Exception, match="maximum context length is 512"):

@@ -228,7 +228,7 @@ def test_question_marks_in_yaml_make_a_defaulted_field_required(tmp_path):
 
 
 def _container_fields(schema, prefix=""):
-    """Every dict- or list-valued field of the app's config, as (dotted key, ``dict`` or ``list``)."""
+    """Every dict- or list-valued field of the app's config, as (dotted key, its type hint)."""
     import dataclasses
     import typing
 
@@ -240,7 +240,7 @@ def _container_fields(schema, prefix=""):
         if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             out += [(f"{f.name}.{k}", v) for k, v in _container_fields(kind)]
         elif (typing.get_origin(kind) or kind) in (dict, list):
-            out.append((f.name, typing.get_origin(kind) or kind))
+            out.append((f.name, kind))
     return out
 
 
@@ -256,15 +256,36 @@ def test_every_app_section_with_a_dict_or_list_field_is_covered():
     assert {"reward.fns", "logging.sinks", "data.options", "policy.env", "trainer.env", "reference.env"} <= keys
 
 
-def _replacement_for(key, kind):
-    """A value for ``key`` that shares no entry with its default, in the field's own types."""
-    if kind is list:
-        return ["jsonl"] if key == "logging.sinks" else ["replacement"]
-    if key == "reward.fns":
-        return {"gsm8k": 1.0}
-    if key.endswith(".env"):
-        return {"FORGE_TEST_ONLY": "1"}
-    return {"only_this": 2}
+def _with_context(key, tree):
+    """``tree`` plus what the field's own section needs to be valid (addresses need an attach job)."""
+    if key == "hosts.addresses":
+        tree["hosts"]["job"] = "attach"
+    return tree
+
+
+def _is_list(kind):
+    import typing
+
+    return (typing.get_origin(kind) or kind) is list
+
+
+def _replacement_for(key, kind, other=False):
+    """A value for ``key`` that shares no entry with its default, in the field's own types;
+    ``other`` gives a second such value, different from the first."""
+    import typing
+
+    known = {
+        "logging.sinks": (["jsonl"], ["jsonl", "console"]),
+        "hosts.addresses": (["tcp://127.0.0.1:29501"], ["tcp://127.0.0.1:29502"]),
+        "reward.fns": ({"gsm8k": 1.0}, {"other_key": 7.0}),
+    }
+    if key in known:
+        return known[key][other]
+    args = typing.get_args(kind)
+    if _is_list(kind):
+        return ([10] if other else [8, 9]) if args and args[0] is int else (["other"] if other else ["replacement"])
+    value = {"int": 3, "float": 0.5}.get(getattr(args[1], "__name__", ""), "1") if len(args) == 2 else 2
+    return {("other_key" if other else "only_this"): value}
 
 
 @pytest.mark.parametrize("key,kind", _grpo_container_fields(), ids=[k for k, _ in _grpo_container_fields()])
@@ -277,7 +298,7 @@ def test_a_dict_or_list_field_from_yaml_replaces_its_default(tmp_path, key, kind
     nested = {leaf: value}
     for part in reversed(section.split(".") if section else []):
         nested = {part: nested}
-    path = _yaml(tmp_path, yaml.safe_dump(nested))
+    path = _yaml(tmp_path, yaml.safe_dump(_with_context(key, nested)))
     cfg = load_config(GRPOConfig, path, ["model.path=/m"])
     got = cfg
     for part in key.split("."):
@@ -341,8 +362,8 @@ def test_a_dict_or_list_field_from_an_override_replaces_the_files_value(tmp_path
 
     in_file = _replacement_for(key, kind)
     section, leaf = key.rsplit(".", 1)
-    path = _yaml(tmp_path, yaml.safe_dump({"model": {"path": "/m"}, section: {leaf: in_file}}))
-    on_line = ["jsonl", "console"] if key == "logging.sinks" else (["other"] if kind is list else {"other_key": "7"})
+    path = _yaml(tmp_path, yaml.safe_dump(_with_context(key, {"model": {"path": "/m"}, section: {leaf: in_file}})))
+    on_line = _replacement_for(key, kind, other=True)
     cfg = load_config(GRPOConfig, path, [f"{key}={yaml.safe_dump(on_line, default_flow_style=True).strip()}"])
     got = getattr(getattr(cfg, section), leaf)
-    assert got == ({"other_key": 7.0} if key == "reward.fns" else on_line)
+    assert got == on_line

@@ -91,6 +91,26 @@ def test_extract_final_number(text, number):
     assert extract_final_number(text) == number
 
 
+def test_extract_final_number_keeps_a_minus_sign_before_the_dollar():
+    """'#### -$3' is -3: the sign may come before the currency sign."""
+    assert extract_final_number("The loss is $3.\n#### -$3") == "-3"
+
+
+def test_extract_final_number_reads_a_bare_decimal():
+    """'#### .5' is 0.5, not 5."""
+    assert extract_final_number("#### .5") == "0.5"
+
+
+def test_extract_final_number_reads_a_range_dash_as_no_sign():
+    """'between 10-12' ends with 12, not -12: a dash after a digit is a range, not a minus."""
+    assert extract_final_number("the answer is between 10-12") == "12"
+
+
+def test_extract_final_number_takes_the_number_right_after_the_marker():
+    """'#### **72** (48+24)' is 72: markdown emphasis is skipped and what follows is ignored."""
+    assert extract_final_number("#### **72** (48+24)") == "72"
+
+
 @pytest.mark.parametrize(
     "response, score",
     [

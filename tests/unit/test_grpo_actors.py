@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,27 @@ def test_reference_enbatch_and_debatch_round_trip():
     assert [t.tolist() for t in out] == [[-1.0], [-2.0, -3.0, -4.0]]
     with pytest.raises(ValueError, match="2 results for 3 pairs"):
         ReferenceModel.split_logprobs((flat, packed.response_lens), 3)
+
+
+async def test_reference_batches_hold_at_most_a_token_budget_not_a_sequence_count():
+    """64 pairs of 700 tokens (the Qwen3 run's truncated responses) run as batches of <= 16,384 tokens."""
+    from forge.actors.reference_model import TOKEN_BUDGET
+    from forge.controller.batching import Batcher
+    from forge.controller.endpoint import endpoint_specs
+
+    spec = endpoint_specs(ReferenceModel)["logprobs"].batching
+    batches: list[int] = []
+
+    async def execute(items: list, key: object) -> list[int]:
+        batches.append(sum(int(p.numel()) + int(r.numel()) for p, r in items))
+        return [0] * len(items)
+
+    batcher = Batcher(spec, execute)
+    pair = (torch.zeros(188, dtype=torch.long), torch.zeros(512, dtype=torch.long))
+    await asyncio.gather(*(batcher.submit(pair, key=length_bucket(pair)) for _ in range(64)))
+    await batcher.close()
+    assert TOKEN_BUDGET == 16384 and sum(batches) == 64 * 700
+    assert max(batches) <= TOKEN_BUDGET and len(batches) >= 3
 
 
 # ------------------------------------------------------------------ rewards
@@ -222,7 +244,7 @@ async def test_trainer_resumed_from_a_checkpoint_continues_exactly(model_dir: Pa
     from monarch.actor import this_proc
 
     from forge.actors.trainer import Trainer, TrainerConfig
-    from forge.checkpoint import load_checkpoint
+    from forge.checkpoint import read_checkpoint
 
     def config(name: str) -> TrainerConfig:
         return TrainerConfig(model_path=str(model_dir), temperature=0.7, lr=1e-2, checkpoint_dir=str(tmp_path / name))
@@ -245,10 +267,11 @@ async def test_trainer_resumed_from_a_checkpoint_continues_exactly(model_dir: Pa
         assert (step, version, extra) == (1, 1, {"dataset_position": 12})
         assert torch.equal(torch.rand(4), expected_draw)
         resaved = await resumed.save_checkpoint.call_one(1)
-        (w0, s0), (w1, s1) = load_checkpoint(path), load_checkpoint(resaved)
+        (w0, o0, _), (w1, o1, _) = read_checkpoint(path), read_checkpoint(resaved)
         assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
-        for p0, p1 in zip(s0.optimizer["state"].values(), s1.optimizer["state"].values()):
-            assert all(torch.equal(p0[k], p1[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+        assert o0["state"].keys() == o1["state"].keys() and o0["state"]
+        for name, p0 in o0["state"].items():
+            assert all(torch.equal(p0[k], o1["state"][name][k]) for k in ("step", "exp_avg", "exp_avg_sq")), name
         await resumed.train_step.call_one(second_batch)
         got, got_version = await resumed.weights.call_one()
         assert got_version == want_version == 2
@@ -303,3 +326,47 @@ async def test_trainer_first_publish_removes_weight_files_of_killed_trainers(mod
         assert not orphan.exists() and live.exists()
     finally:
         await trainer.stop()
+
+
+async def _one_step(model_dir: Path, name: str, episodes: list[Episode], **settings) -> dict[str, float]:
+    """A fresh trainer's statistics for one step on ``episodes``."""
+    from monarch.actor import this_proc
+
+    from forge.actors.trainer import Trainer, TrainerConfig
+
+    trainer = this_proc().spawn(name, Trainer, TrainerConfig(model_path=str(model_dir), lr=1e-2, **settings))
+    try:
+        await trainer.setup.call_one()
+        return await trainer.train_step.call_one(EpisodeBatch.pack(episodes))
+    finally:
+        await trainer.stop()
+
+
+def _episode(response: list[int], advantage: float, finish_reason: str = "stop") -> Episode:
+    """Behaviour logprobs of -4 everywhere: each token's ratio, so the loss, depends on the token."""
+    r = torch.tensor(response)
+    lp = torch.full((len(response),), -4.0)
+    return Episode("g", torch.tensor([5, 6, 7]), r, lp, lp.clone(), 0.0, advantage, 0, finish_reason=finish_reason)
+
+
+async def test_trainer_trains_nothing_past_the_first_stop_token(model_dir: Path):
+    """[9, STOP, junk, junk] with stop_token_ids=[STOP] has the loss and token count of [9, STOP] alone."""
+    stop = 11
+    cut = await _one_step(model_dir, "trainer_stop_cut", [_episode([9, stop], 1.0), _episode([12, 13], -1.0)])
+    long = [_episode([9, stop, 30, 31], 1.0), _episode([12, 13], -1.0)]
+    masked = await _one_step(model_dir, "trainer_stop_masked", long, stop_token_ids=[stop])
+    unmasked = await _one_step(model_dir, "trainer_stop_unmasked", long)
+    assert masked["tokens"] == cut["tokens"] == 4.0 and unmasked["tokens"] == 6.0
+    assert masked["loss"] == pytest.approx(cut["loss"], abs=1e-6)
+    assert unmasked["loss"] != pytest.approx(cut["loss"], abs=1e-4)
+
+
+async def test_trainer_with_mask_truncated_leaves_cut_completions_out(model_dir: Path):
+    """A 'length' episode next to a finished one: with mask_truncated the step is the finished one's alone."""
+    batch = [_episode([9, 10], 1.0), _episode([12], -1.0, "length")]
+    masked = await _one_step(model_dir, "trainer_trunc_masked", batch, mask_truncated=True)
+    unmasked = await _one_step(model_dir, "trainer_trunc_unmasked", batch)
+    only = await _one_step(model_dir, "trainer_trunc_only", batch[:1])
+    assert masked["tokens"] == only["tokens"] == 2.0 and unmasked["tokens"] == 3.0
+    assert masked["loss"] == pytest.approx(only["loss"], abs=1e-6)
+    assert unmasked["loss"] != pytest.approx(only["loss"], abs=1e-4)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from forge.losses import group_advantages, grpo_loss, k3_kl
+from forge.losses import group_advantages, grpo_loss, k3_kl, trainable_lengths
 
 # ---------------------------------------------------------------------------------------------
 # group_advantages
@@ -28,6 +28,23 @@ def test_group_advantages_are_zero_when_rewards_do_not_vary(rewards):
     """Equal rewards (or a group of one) give zero advantages, never NaN."""
     adv = group_advantages(torch.tensor(rewards))
     torch.testing.assert_close(adv, torch.zeros(len(rewards)))
+
+
+@pytest.mark.parametrize("value", [0.3, 0.1, 0.7, 1 / 3])
+def test_group_advantages_of_equal_non_dyadic_rewards_are_exactly_zero(value):
+    """Eight rewards of 0.3 (not exact in binary) give exact zeros, not float32 residue / (std + eps)."""
+    adv = group_advantages(torch.full((8,), value, dtype=torch.float32))
+    assert torch.equal(adv, torch.zeros(8))
+    assert adv.dtype == torch.float32
+
+
+def test_group_advantages_have_no_float32_drift_in_a_varied_group():
+    """0.3 x 7 and one 0.4: the float64 result, rounded once to float32."""
+    rewards = [0.3] * 7 + [0.4]
+    mean = sum(rewards) / 8
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / 8)
+    expected = torch.tensor([(r - mean) / (std + 1e-6) for r in rewards], dtype=torch.float32)
+    assert torch.equal(group_advantages(torch.tensor(rewards)), expected)
 
 
 def test_group_advantages_reject_a_batch_of_groups():
@@ -55,6 +72,25 @@ def test_k3_kl_matches_formula_and_is_non_negative():
     kl = k3_kl(lp, ref)
     torch.testing.assert_close(kl, expected)
     assert (kl >= 0).all()
+
+
+def test_k3_kl_is_finite_for_an_extreme_log_ratio():
+    """ref - lp = -100 (or +100) gives a finite KL, bounded as verl's low_var_kl, not inf."""
+    lp = torch.tensor([-0.1, -100.1])
+    ref = torch.tensor([-100.1, -0.1])
+    kl = k3_kl(lp, ref)
+    assert torch.isfinite(kl).all()
+    assert (kl <= 10.0).all() and (kl >= 0).all()
+
+
+def test_grpo_loss_is_finite_when_beta_is_zero_and_the_kl_is_not():
+    """beta == 0 leaves the KL out of the loss: a NaN reference logprob cannot make it NaN (0 * NaN)."""
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[float("nan"), -2.0]])
+    loss, stats = grpo_loss(lp, lp.detach(), ref, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    assert loss.item() == pytest.approx(-1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,3 +277,103 @@ def test_grpo_loss_rejects_mismatched_shapes_naming_the_argument(bad):
     args[bad] = torch.zeros(3, 3) if bad != "advantages" else torch.zeros(3)
     with pytest.raises(ValueError, match=bad):
         grpo_loss(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# mismatch corrections and the logged mismatch
+
+
+def _mismatched_negative_token():
+    """One token vLLM found e^-20 as likely as the trainer does, with a negative advantage."""
+    lp = torch.tensor([[-1.0]], requires_grad=True)
+    behaviour = torch.tensor([[-21.0]])  # ratio e^20
+    return lp, behaviour, torch.tensor([-1.0])
+
+
+def test_without_a_correction_one_mismatched_token_dominates_the_loss():
+    """The unbounded case both corrections exist for: loss ~ ratio * |A| = e^20."""
+    lp, behaviour, adv = _mismatched_negative_token()
+    loss, stats = grpo_loss(lp, behaviour, lp.detach(), adv, torch.ones(1, 1), beta=0.0)
+    assert loss.item() == pytest.approx(math.exp(20), rel=1e-4)
+    assert stats["mismatch_max"].item() == pytest.approx(20.0)
+
+
+def test_dual_clip_caps_a_negative_advantage_tokens_loss_and_gradient():
+    """dual_clip=3: the token's loss is 3 * |A| and its gradient is zero (verl's clip_ratio_c)."""
+    lp, behaviour, adv = _mismatched_negative_token()
+    loss, _ = grpo_loss(lp, behaviour, lp.detach(), adv, torch.ones(1, 1), beta=0.0, dual_clip=3.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(3.0)
+    assert lp.grad.item() == 0.0
+
+
+def test_dual_clip_leaves_positive_advantages_and_small_ratios_alone():
+    """A > 0, or a ratio below dual_clip: the same loss and gradient as without it."""
+    lp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    behaviour = lp.detach() - torch.tensor([[math.log(2.0), math.log(1.1)]])
+    for adv in (torch.tensor([1.0]), torch.tensor([-1.0])):
+        grads = []
+        for dual in (None, 3.0):
+            lp.grad = None
+            loss, _ = grpo_loss(lp, behaviour, lp.detach(), adv, torch.ones(1, 2), beta=0.0, dual_clip=dual)
+            loss.backward()
+            grads.append((loss.item(), lp.grad.clone()))
+        assert grads[0][0] == pytest.approx(grads[1][0])
+        torch.testing.assert_close(grads[0][1], grads[1][1])
+
+
+def test_tis_bounds_a_mismatched_tokens_weight_by_the_cap():
+    """tis_cap=2: the token's gradient is -A * 2 / n (weight min(e^20, 2)), not -A * e^20."""
+    lp, behaviour, adv = _mismatched_negative_token()
+    loss, stats = grpo_loss(lp, behaviour, lp.detach(), adv, torch.ones(1, 1), beta=0.0, tis_cap=2.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(2.0)  # -A * ratio(1) * weight(2)
+    assert lp.grad.item() == pytest.approx(2.0)
+    assert stats["ratio_mean"].item() == pytest.approx(math.exp(20), rel=1e-4)  # still logged as is
+
+
+def test_tis_weights_each_token_by_its_own_clamped_ratio():
+    """Ratios 0.5 and 1.5 under cap 2: gradients are -A * w_t / n with w = [0.5, 1.5]."""
+    lp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    behaviour = lp.detach() - torch.tensor([[math.log(0.5), math.log(1.5)]])
+    loss, _ = grpo_loss(lp, behaviour, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2), beta=0.0, tis_cap=2.0)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-0.25, -0.75]]))
+
+
+def test_mismatch_stats_are_the_max_and_mean_absolute_logprob_gap_over_valid_tokens():
+    """|lp - behaviour| = [0, 0.2, 0] and [0, 0.3, (masked 4.5)]: max 0.3, mean 0.1."""
+    lp, behaviour, ref, adv, mask = _hand_batch()
+    _, stats = grpo_loss(lp, behaviour, ref, adv, mask)
+    assert stats["mismatch_max"].item() == pytest.approx(0.3, abs=1e-6)
+    assert stats["mismatch_mean"].item() == pytest.approx(0.5 / 5, abs=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, message", [({"dual_clip": 1.0}, "dual_clip"), ({"tis_cap": 0.0}, "tis_cap")])
+def test_corrections_reject_bounds_that_bound_nothing(kwargs, message):
+    """dual_clip <= 1 or tis_cap <= 0 is a ValueError naming the argument."""
+    with pytest.raises(ValueError, match=message):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# trainable_lengths: stops and truncation
+
+
+def test_trainable_lengths_end_at_the_first_stop_token_inclusive():
+    """[5, 9, 7, 9] with stop 9 trains 2 tokens; a response without a stop trains all of it."""
+    ids = [torch.tensor([5, 9, 7, 9]), torch.tensor([5, 6, 7])]
+    assert trainable_lengths(ids, ["stop", "length"], stop_token_ids=[9]) == [2, 3]
+
+
+def test_trainable_lengths_leave_truncated_responses_out_with_mask_truncated():
+    """finish_reason 'length' trains 0 tokens with mask_truncated, all of them without."""
+    ids = [torch.tensor([5, 6]), torch.tensor([5, 6, 7])]
+    assert trainable_lengths(ids, ["stop", "length"], mask_truncated=True) == [2, 0]
+    assert trainable_lengths(ids, ["stop", "length"], mask_truncated=False) == [2, 3]
+
+
+def test_trainable_lengths_need_one_finish_reason_per_response():
+    """A length mismatch names both counts."""
+    with pytest.raises(ValueError, match="got 2 and 1"):
+        trainable_lengths([torch.tensor([1]), torch.tensor([2])], ["stop"])

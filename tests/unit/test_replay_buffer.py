@@ -136,3 +136,25 @@ async def test_actor_reports_evictions_with_each_sample():
         assert (await actor.stats.call_one()).sampled == 1
     finally:
         await actor.stop()
+
+
+def test_a_group_id_added_twice_is_refused_and_counted_as_a_duplicate():
+    """A second group with a group_id already added is not stored, so it can never train twice."""
+    buf = GroupBuffer(max_policy_age=1)
+    assert buf.add(_group("g0", version=0)) is True
+    assert buf.sample(1, policy_version=0) is not None
+    assert buf.add(_group("g0", version=0)) is False  # even after the first one was trained
+    assert len(buf) == 0
+    assert buf.snapshot().duplicates == 1 and buf.snapshot().added == 1
+
+
+def test_every_group_added_is_sampled_dropped_or_held():
+    """added == sampled + dropped_stale + dropped_full + size after adds, evictions and samples."""
+    buf = GroupBuffer(max_policy_age=0, capacity=3)
+    for i in range(4):  # the 4th add drops the oldest (capacity)
+        buf.add(_group(f"g{i}", version=0))
+    buf.add(_group("new", version=1))  # full again: drops g1
+    assert buf.sample(1, policy_version=1) is not None  # evicts g2, g3 as stale, takes "new"
+    stats = buf.snapshot()
+    assert (stats.added, stats.sampled, stats.dropped_full, stats.dropped_stale, stats.size) == (5, 1, 2, 2, 0)
+    assert stats.evicted == stats.dropped_full + stats.dropped_stale and stats.balanced

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from forge.models import build_char_tokenizer, make_tiny_model, sequence_logprobs
+from forge.models.tiny import LAYOUTS, QWEN3_CHAT_IDS, QWEN3_VOCAB_SIZE
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -124,3 +125,69 @@ def test_sequence_logprobs_do_not_depend_on_padding(model_dir: Path) -> None:
         alone = sequence_logprobs(model, [prompt], [response], temperature=0.7)[0]
         assert got.dtype == torch.float32 and got.shape == response.shape
         torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# real-model layouts
+
+
+def _stored_keys(path: Path) -> set[str]:
+    return set(load_file(str(path / "model.safetensors")))
+
+
+def test_tied_stored_head_layout_stores_lm_head_equal_to_the_embedding(tmp_path: Path) -> None:
+    """As Qwen3-1.7B: tie_word_embeddings is true and model.safetensors still has lm_head.weight."""
+    path = make_tiny_model(tmp_path / "m", **LAYOUTS["tied_stored_head"])
+    weights = load_file(str(path / "model.safetensors"))
+    assert AutoConfig.from_pretrained(path).tie_word_embeddings
+    assert torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    assert "lm_head.weight" not in _stored_keys(make_tiny_model(tmp_path / "plain"))
+
+
+def test_untied_layout_has_its_own_head(tmp_path: Path) -> None:
+    """tie_embeddings=False: a stored lm_head.weight that differs from the embedding."""
+    path = make_tiny_model(tmp_path / "m", **LAYOUTS["untied"])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert not model.config.tie_word_embeddings
+    assert "lm_head.weight" in _stored_keys(path)
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_big_vocab_layout_has_qwen3s_vocabulary_and_the_same_character_ids(tmp_path: Path) -> None:
+    """151,936 embedding rows and tokenizer ids; the characters keep their ids; extra ids decode."""
+    path = make_tiny_model(tmp_path / "m", **LAYOUTS["big_vocab"])
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert AutoConfig.from_pretrained(path).vocab_size == QWEN3_VOCAB_SIZE == len(tokenizer)
+    assert tokenizer("3+7=").input_ids == build_char_tokenizer()("3+7=").input_ids
+    assert tokenizer.decode([QWEN3_VOCAB_SIZE - 1]) == f"<|extra_{QWEN3_VOCAB_SIZE - 65}|>"
+
+
+def test_qwen3_layout_has_a_chat_template_whose_end_token_is_not_the_eos(tmp_path: Path) -> None:
+    """<|im_start|>/<|im_end|> are single tokens at Qwen3's ids, the template is Qwen's, and
+    <|im_end|> is not the EOS (a base model's layout: only a stop token id ends a turn there)."""
+    path = make_tiny_model(tmp_path / "m", **LAYOUTS["qwen3_1_7b"])
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "3+4="}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == list(QWEN3_CHAT_IDS)
+    assert tokenizer("<|im_end|>").input_ids == [QWEN3_CHAT_IDS[1]]
+    assert tokenizer.eos_token_id != QWEN3_CHAT_IDS[1]
+    config = AutoConfig.from_pretrained(path)
+    assert config.model_type == "qwen3" and config.tie_word_embeddings
+    assert "lm_head.weight" in _stored_keys(path)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tie_embeddings": False, "store_tied_head": True}, "store_tied_head"),
+        ({"vocab_size": 10}, "vocab_size must be >= 64"),
+        ({"chat_template": True}, "arch='qwen3'"),
+    ],
+)
+def test_make_tiny_model_rejects_impossible_layouts(tmp_path: Path, kwargs: dict, message: str) -> None:
+    """A layout that cannot exist is a ValueError naming the setting."""
+    with pytest.raises(ValueError, match=message):
+        make_tiny_model(tmp_path / "bad", **kwargs)

@@ -65,6 +65,127 @@ async def test_wait_is_timed_from_first_item():
     assert 0.28 <= elapsed < 0.45  # not 0.2 + 0.3: the clock started at the first item
 
 
+class FakeClock:
+    """The Batcher's clock, moved by hand: deadlines are decided by it, never by the wall clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def settle() -> None:
+    """Let the dispatcher and any batch tasks run until they block."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def test_wait_is_timed_from_first_item_on_the_batchers_clock():
+    """Driven by the clock seam: the batch is due at first item + max_wait_s, not a moment before,
+    and a later item neither restarts nor extends the wait."""
+    clock = FakeClock()
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=10.0), rec, clock=clock)
+    first = b.enqueue(1)
+    clock.now = 6.0
+    second = b.enqueue(2)  # 6 s after the first: due at 10, not at 16
+    await settle()
+    clock.now = 9.999
+    b.wake()
+    await settle()
+    assert rec.batches == []  # not due yet
+    clock.now = 10.0
+    b.wake()
+    await settle()
+    assert rec.batches == [[1, 2]]
+    assert await asyncio.gather(first, second) == [2, 4]
+    assert b.stats.queue_wait_s_total == pytest.approx(10.0 + 4.0)  # waits measured on the same clock
+
+
+async def test_oldest_first_item_goes_first_and_a_cancelled_head_moves_the_deadline():
+    """Among due keys the one whose first item is oldest starts first; when a queue's first
+    caller is cancelled, its wait is timed from the next item instead."""
+    clock = FakeClock()
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    b = Batcher(Batching(max_size=8, max_wait_s=1.0), rec, clock=clock)
+    blocker = b.enqueue("x", key="busy")
+    clock.now = 1.0
+    b.wake()
+    await settle()
+    assert rec.keys == ["busy"]  # holds the only slot
+    clock.now = 1.2
+    cancelled = b.enqueue("gone", key="late")  # the first queue made, but its first caller leaves
+    futures = []
+    for t, key in [(1.5, "c"), (2.0, "a"), (2.5, "b"), (3.0, "c")]:
+        clock.now = t
+        futures.append(b.enqueue(t, key=key))
+    clock.now = 3.2
+    late = b.enqueue(3.2, key="late")
+    cancelled.cancel()
+    clock.now = 100.0  # everything is due; the slot frees up
+    rec.gate.set()
+    await asyncio.wait_for(asyncio.gather(blocker, *futures, late), 5.0)
+    assert rec.keys == ["busy", "c", "a", "b", "late"]
+    assert rec.batches[1] == [1.5, 3.0]
+
+    rec2 = Recorder()
+    b2 = Batcher(Batching(max_size=8, max_wait_s=1.0), rec2, clock=clock)
+    clock.now = 0.0
+    head = b2.enqueue("head")
+    clock.now = 0.5
+    tail = b2.enqueue("tail")
+    head.cancel()
+    clock.now = 1.2  # the cancelled head was due at 1.0; the live one is due at 1.5
+    b2.wake()
+    await settle()
+    assert rec2.batches == []
+    clock.now = 1.5
+    b2.wake()
+    assert await asyncio.wait_for(tail, 5.0) == "tailtail"
+    assert rec2.batches == [["tail"]]
+
+
+async def test_starting_a_batch_looks_at_a_bounded_number_of_queues():
+    """With thousands of live keys the dispatcher must not walk every queue per batch: the
+    runnable() gate, asked once per queue looked at, is asked O(1) times per batch."""
+    asked = 0
+
+    def runnable(key):
+        nonlocal asked
+        asked += 1
+        return True
+
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=0.0), rec, runnable=runnable)
+    keys = 2000
+    futures = [b.enqueue(i, key=k) for k in range(keys) for i in range(2)]
+    await asyncio.gather(*futures)
+    assert len(rec.batches) == keys
+    assert asked <= 4 * keys  # a scan per batch would ask about keys**2 / 2 = 2,000,000 times
+    assert b.keys == [] and b.queued == 0
+
+
+async def test_held_key_keeps_growing_and_runs_after_wake():
+    """runnable(key) False holds a key's queue back (it grows past the others); wake() lets it go."""
+    clock = FakeClock()
+    ready = {"m1": False}
+    rec = Recorder()
+    b = Batcher(Batching(max_size=4, max_wait_s=1.0), rec, clock=clock, runnable=lambda k: ready.get(k, True))
+    held = [b.enqueue(i, key="m1") for i in range(6)]
+    other = b.enqueue(100, key="m2")
+    clock.now = 5.0
+    b.wake()
+    await settle()
+    assert rec.keys == ["m2"]  # m1 is held although full and due
+    assert b.queued == 6 and b.has_forming("m1")
+    ready["m1"] = True
+    b.wake()
+    assert await asyncio.wait_for(asyncio.gather(*held, other), 5.0) == [0, 2, 4, 6, 8, 10, 200]
+    assert rec.batches[1:] == [[0, 1, 2, 3], [4, 5]]
+
+
 async def test_batch_keeps_growing_while_slots_are_busy():
     """With the only slot busy, later items form ONE batch instead of many half-empty ones."""
     rec = Recorder()

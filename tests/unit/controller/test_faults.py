@@ -105,6 +105,8 @@ async def test_killed_replica_loses_no_request_and_comes_back():
         assert not pending
         assert ok + clear == 1000
         assert ok >= 990  # in-flight requests of the dead replica were retried elsewhere
+        assert ok == 1000  # every request answered with its own result: none lost to the death
+        assert svc.metrics()["retried"] > 0  # ... because the dead replica's requests were resent
         await wait_until(lambda: all_healthy(svc))
         assert victim.generation == 1 and victim.restarts == 1
         pids = await svc.pid.fanout()
@@ -127,31 +129,49 @@ async def test_process_exit_inside_endpoint_is_reported_and_replica_restarts():
 
 
 async def test_non_idempotent_endpoint_is_not_retried():
+    """A ``retry=False`` request routed by the service, whose replica dies under it, fails with
+    ``ReplicaFailed``: the healthy replica that could have taken it again never sees it."""
     svc = await Worker.options(num_replicas=2, restart_backoff_s=0.2).as_service()
     try:
-        target = svc.service.replicas[0]
-        pid = await target.call("pid", (), {}, 10)
-        call = asyncio.ensure_future(target.call("once", (7,), {}, 30))
+        pids = [await r.call("pid", (), {}, 10) for r in svc.service.replicas]
+        call = asyncio.ensure_future(svc.once.route(7))
         await asyncio.sleep(0.1)
-        os.kill(pid, signal.SIGKILL)
+        busy = [r for r in svc.service.replicas if r.in_flight]
+        assert len(busy) == 1
+        target = busy[0]
+        os.kill(pids[target.replica_id], signal.SIGKILL)
         with pytest.raises(ReplicaFailed, match="process (failed|died)"):
             await call
+        assert svc.metrics()["retried"] == 0
     finally:
         await svc.shutdown()
 
 
 async def test_restarted_replica_resyncs_before_taking_traffic():
+    """Requests flow all through a replica's recovery; its new generation (value 0 until the
+    resync sets 42) answers none of them before the slow resync has finished."""
     svc = await Worker.options(num_replicas=2, restart_backoff_s=0.2).as_service()
     try:
         current = {"value": 42}
         await svc.set_value.fanout(current["value"])
 
         async def resync(actor_mesh):
+            await asyncio.sleep(1.0)  # a slow resync: traffic let in early would meet value 0
             await actor_mesh.set_value.call(current["value"])
 
         svc.set_resync(resync)
-        pid = await svc.service.replicas[0].call("pid", (), {}, 10)
+        victim = svc.service.replicas[0]
+        pid = await victim.call("pid", (), {}, 10)
         os.kill(pid, signal.SIGKILL)
+        answers, states = [], set()
+        deadline = time.monotonic() + 30
+        while not svc.service.recovery_log:  # until the restart, resync included, is done
+            assert time.monotonic() < deadline, "the replica did not recover in time"
+            states.add(victim.state)
+            answers.append(await svc.get_value.route())
+            await asyncio.sleep(0.01)
+        assert set(answers) == {42}
+        assert ReplicaState.RECOVERING in states  # requests were sent while it resynced
         await wait_until(lambda: svc.service.replicas[0].generation == 1 and all_healthy(svc))
         assert await svc.get_value.fanout() == [42, 42]
     finally:
@@ -213,6 +233,7 @@ async def test_flood_keeps_controller_memory_bounded():
         growth_mb = (psutil.Process().memory_info().rss - rss_before) / 2**20
         print(f"offered=100000 served={served} refused={refused} rss_growth_mb={growth_mb:.1f}")
         assert served + refused == 100_000 and served > 0
+        assert refused > 0  # the limits refused the excess instead of buffering it
         assert growth_mb < 200
     finally:
         await svc.shutdown()

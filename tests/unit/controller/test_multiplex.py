@@ -172,6 +172,8 @@ async def test_model_aware_routing_loads_each_model_about_once(trio):
 
 
 async def test_metrics_report_loads_evictions_hits_and_per_model_batches(trio):
+    """Its own traffic first, so that it holds when run alone too."""
+    assert await trio.predict.route_many([1, 2, 3], model_id="s0") == [("s0", 1), ("s0", 2), ("s0", 3)]
     m = trio.metrics()
     models = m["models"]
     for key in ("loads", "evictions", "hits", "misses", "load_failures", "mean_load_s", "hit_rate", "per_model"):
@@ -230,6 +232,17 @@ async def test_requests_of_a_killed_replica_are_served_by_their_model_elsewhere(
             await asyncio.sleep(0.05)
         assert victim.generation == 1 and victim.metrics()["models"]["loads"] == 0
         assert await svc.predict.fanout(1, model_id="k0") == [("k0", 1)] * 2
+    finally:
+        await svc.shutdown()
+
+
+async def test_requests_that_wait_for_admission_keep_their_model():
+    """Past max_in_flight_per_replica a request is not queued at call time: it waits for
+    admission, and is then served by the model it named like any other."""
+    svc = await Predictor.options(num_replicas=1, max_in_flight_per_replica=2).as_service()
+    try:
+        asks = [(i, "w1" if i % 2 else "w2") for i in range(6)]
+        assert await asyncio.gather(*(svc.slow.route(i, model_id=m) for i, m in asks)) == [(m, i) for i, m in asks]
     finally:
         await svc.shutdown()
 

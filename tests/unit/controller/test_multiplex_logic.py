@@ -14,7 +14,8 @@ import pytest
 
 from forge.controller import Batching, ModelAware, ModelLoadError, RoundRobin, RouteRequest
 from forge.controller.errors import EndpointError
-from forge.controller.multiplex import Multiplexing, ReplicaModels, aggregate_metrics
+from forge.controller.model_cache import ReplicaModels, aggregate_metrics, models_view
+from forge.controller.multiplex import Multiplexing
 
 
 class FakeActor:
@@ -190,10 +191,12 @@ async def test_metrics_count_loads_evictions_hits_and_batch_sizes():
     await asyncio.gather(*(b.submit(i, "a") for i in range(4)))  # misses: a is loading
     await asyncio.gather(*(b.submit(i, "a") for i in range(2)))  # hits
     await b.submit(0, "b")
-    m = models.metrics()
+    sums = models.metrics()  # a replica reports sums; the means are computed from them
+    assert sums["per_model"]["a"]["items"] == 6
+    m = models_view(sums)
     assert (m["loads"], m["evictions"], m["hits"], m["misses"]) == (2, 1, 2, 5)
     assert m["per_model"]["a"] == {"requests": 6, "loads": 1, "batches": 2, "mean_batch_size": 3.0, "max_batch_size": 4}
-    total = aggregate_metrics([m, m])
+    total = aggregate_metrics([sums, sums])
     assert total["loads"] == 4 and total["per_model"]["a"]["mean_batch_size"] == 3.0 and total["hit_rate"] == 2 / 7
     await b.close()
 

@@ -184,8 +184,12 @@ async def test_equal_keys_meet_on_one_replica_and_batch_together(counter_service
 
 
 async def test_session_sticks_to_one_replica(counter_service):
+    """Keys that key_affinity spreads over both replicas all go to one inside a session."""
+    keys = [f"session-key-{i}" for i in range(6)]
+    spread = {(await counter_service.stats.route(key=k))["pid"] for k in keys}
+    assert len(spread) == 2  # without the session these keys reach both replicas, every time
     async with counter_service.session():
-        pids = {(await counter_service.stats.route())["pid"] for _ in range(6)}
+        pids = {(await counter_service.stats.route(key=k))["pid"] for k in keys}
     assert len(pids) == 1
 
 
@@ -198,7 +202,11 @@ async def test_user_router_can_be_plugged_per_endpoint():
     try:
         pids = {(await svc.stats.route())["pid"] for _ in range(4)}
         assert len(pids) == 1
-        rr = {s["pid"] for s in await svc.stats.fanout()}
+        for _ in range(4):  # another endpoint keeps the default router: round robin
+            await svc.add.route([1])
+        served = {i: r["endpoints"].get("add", {}).get("requests", 0) for i, r in svc.metrics()["replicas"].items()}
+        assert served == {0: 2, 1: 2}
+        rr = {i for i, n in served.items() if n}
         assert len(rr) == 2
     finally:
         await svc.shutdown()

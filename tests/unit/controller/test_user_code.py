@@ -50,11 +50,32 @@ if __name__ == "__main__":
 """
 
 
-def run_user_script(tmp_path):
+PLAIN_SCRIPT = """
+import asyncio, sys
+import forge.controller                     # no quiet_monarch(): a user's plain script
+from forge.controller import ForgeActor, endpoint
+
+class Talker(ForgeActor):
+    @endpoint
+    async def say(self) -> None:
+        print("ACTOR LINE", file=sys.stderr, flush=True)
+
+async def main():
+    svc = await Talker.as_service()
+    await svc.say.route()
+    await svc.shutdown()
+    print("USER LINE", file=sys.stderr, flush=True)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def run_user_script(tmp_path, script: str = USER_SCRIPT):
     project = tmp_path / "user_project"
     project.mkdir()
     (project / "helper_actors.py").write_text(textwrap.dedent(HELPER_MODULE))
-    (project / "user_script.py").write_text(textwrap.dedent(USER_SCRIPT))
+    (project / "user_script.py").write_text(textwrap.dedent(script))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run(
         [sys.executable, str(project / "user_script.py")],
@@ -72,3 +93,12 @@ def test_user_script_actors_work_without_pythonpath_and_leave_no_process(tmp_pat
     assert "RESULT [2, 4, 6] 2" in proc.stdout
     assert "LEFT 0 ALIVE 0" in proc.stdout
     assert "Monarch internal logs" not in proc.stderr  # Monarch's noise is filtered out
+
+
+def test_plain_user_script_shows_its_output_but_not_monarchs_banner(tmp_path):
+    """Without quiet_monarch(), a script's stderr keeps its own and its actors' lines, and
+    Monarch's "internal logs are being written to" banner is gone."""
+    proc = run_user_script(tmp_path, PLAIN_SCRIPT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ACTOR LINE" in proc.stderr and "USER LINE" in proc.stderr, proc.stderr[-3000:]
+    assert "Monarch internal logs" not in proc.stderr

@@ -1,0 +1,189 @@
+"""Multi-turn rollouts of the GRPO app: a group is ``group_size`` trajectories of one prompt,
+each a conversation between the policy and an environment service.
+
+One trajectory, turn by turn::
+
+    env.reset(prompt)            -> the first observation's ids (the policy's prompt)
+    policy.generate_turn(ids)    -> sampled ids + behaviour logprobs + policy version
+    env.step(action)             -> observation ids, reward, done       (repeat until done)
+
+Every policy and env call carries the trajectory's ``SessionKey``: the policy's
+``SessionAffinity`` router keeps a session's turns on the replica whose prefix cache holds its
+history and starts a group's samples on one replica under a load cap; the env's router sends a
+session to the one replica that holds its episode. Turns of all trajectories in flight are
+prebatched on each replica, and so are env steps.
+
+The trajectory is token ids end to end (``forge.envs.Trajectory``): the trainer's input is the
+prompt ids, then the sampled and environment ids exactly as they were produced, with a loss
+mask over the sampled ones. The group's advantages are normalised over its trajectories'
+rewards (the sum of each trajectory's step rewards).
+
+Failures: a trajectory whose environment raises, returns a malformed step, hangs past
+``env.step_timeout_s`` or does not finish within ``env.max_turns`` fails alone, with a warning
+naming the session and the cause; the group trains on the others. A group all of whose
+trajectories failed is tried again with the same prompt (``MAX_GROUP_TRIES`` times, then the
+run stops: the environment is broken, not unlucky). A policy or env replica that dies makes the
+whole group be generated again, as in single-turn rollouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from apps.grpo.roles import RoleFailed, Roles, call_role
+from apps.grpo.rollouts import Rollouts
+
+if TYPE_CHECKING:
+    from apps.grpo.config import GRPOConfig
+    from forge.envs import Trajectory
+
+logger = logging.getLogger("forge.grpo")
+
+MAX_GROUP_TRIES = 3
+"""Tries of a group whose every trajectory failed before the run stops."""
+
+
+class TrajectoryFailed(Exception):
+    """One trajectory cannot go on (its environment failed, or it ran out of turns or context)."""
+
+
+class MultiTurnRollouts(Rollouts):
+    """``Rollouts`` whose groups are multi-turn trajectories against ``roles.env``."""
+
+    def __init__(
+        self,
+        roles: Roles,
+        group_size: int,
+        concurrency: int,
+        max_buffered: int,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        super().__init__(roles, group_size, concurrency, max_buffered)
+        if roles.env is None:
+            raise ValueError("multi-turn rollouts need an environment service (env.cls in the config)")
+        self.max_turns = max_turns
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        self.failed_trajectories = 0
+        self._sessions = itertools.count()
+
+    @classmethod
+    def from_config(cls, cfg: GRPOConfig, roles: Roles) -> MultiTurnRollouts:
+        return cls(
+            roles,
+            cfg.group_size,
+            cfg.rollout_concurrency,
+            cfg.max_buffered_groups,
+            max_turns=cfg.env.max_turns,
+            max_tokens=cfg.policy.max_tokens,
+            max_model_len=cfg.policy.max_model_len,
+        )
+
+    async def one_group(self, prompt: Any, group_id: str) -> Any:
+        """``group_size`` trajectories of ``prompt`` -> reference logprobs -> scored episodes."""
+        import torch
+
+        from forge.envs import Trajectory
+        from forge.losses import group_advantages
+        from forge.observability import record_metric
+        from forge.types import EpisodeBatch
+
+        t0 = time.perf_counter()
+        for attempt in range(1, MAX_GROUP_TRIES + 1):
+            tries = [self.trajectory(prompt, group_id) for _ in range(self.group_size)]
+            results = await asyncio.gather(*tries, return_exceptions=True)
+            for result in results:
+                # A dying replica (recoverable): the caller generates the whole group again.
+                # Anything else that is not the environment's fault stops the run.
+                if isinstance(result, BaseException) and not isinstance(result, TrajectoryFailed):
+                    raise result
+            done = [r for r in results if isinstance(r, Trajectory)]
+            failed = [r for r in results if isinstance(r, TrajectoryFailed)]
+            self.failed_trajectories += len(failed)
+            if failed:
+                record_metric("rollout/failed_trajectories", len(failed), "sum")
+            if done:
+                break
+            logger.error(
+                "group %s: all %d trajectories failed (try %d of %d); last: %s",
+                group_id,
+                len(failed),
+                attempt,
+                MAX_GROUP_TRIES,
+                failed[-1],
+            )
+        else:
+            raise RoleFailed(
+                "env", f"every trajectory of group {group_id} failed {MAX_GROUP_TRIES} times: {failed[-1]}"
+            )
+        t1 = time.perf_counter()
+        ref_logprobs = await call_role(
+            "reference", self.roles.reference.logprobs.route_many([(t.prompt_ids, t.response_ids) for t in done])
+        )
+        rewards = torch.tensor([t.reward for t in done], dtype=torch.float32)
+        advantages = group_advantages(rewards)
+        record_metric("rollout/generate_latency_s", t1 - t0)
+        record_metric("rollout/score_latency_s", time.perf_counter() - t1)
+        record_metric("rollout/turns", sum(t.turns for t in done) / len(done))
+        record_metric("rollout/tokens_per_trajectory", sum(t.length for t in done) / len(done))
+        return EpisodeBatch.pack(
+            [t.to_episode(group_id, ref, float(a)) for t, ref, a in zip(done, ref_logprobs, advantages.tolist())]
+        )
+
+    async def trajectory(self, prompt: Any, group_id: str) -> Trajectory:
+        """Play one episode to its end; ``TrajectoryFailed`` (logged) if it cannot finish."""
+        from forge.envs import Action, EnvError, ResetRequest, SessionKey, StepRequest, Trajectory
+        from forge.types import TurnRequest
+
+        session = f"{group_id}/{next(self._sessions)}"
+        key = SessionKey(session, group_id)
+        env, policy = self.roles.env, self.roles.policy
+        traj: Trajectory | None = None
+        try:
+            first = await call_role("env", env.reset.route(ResetRequest(session, prompt), key=key))
+            traj = Trajectory(session, group_id, first.observation_ids)
+            for turn in range(self.max_turns):
+                if traj.length + self.max_tokens > self.max_model_len:
+                    raise TrajectoryFailed(
+                        f"session {session}: turn {turn} would pass policy.max_model_len={self.max_model_len} "
+                        f"({traj.length} tokens of history + max_tokens={self.max_tokens})"
+                    )
+                sampled = await call_role(
+                    "policy", policy.generate_turn.route(TurnRequest(session, traj.history_ids()), key=key)
+                )
+                traj.add_turn(sampled)
+                action = Action(tuple(sampled.token_ids.tolist()), sampled.text, turn)
+                reply = await call_role("env", env.step.route(StepRequest(session, action), key=key))
+                traj.add_observation(reply.observation_ids, reply.reward, reply.done)
+                if traj.done:
+                    return traj
+            raise TrajectoryFailed(
+                f"session {session}: the environment did not finish the episode within env.max_turns={self.max_turns}"
+            )
+        except RoleFailed as exc:
+            if isinstance(exc.error, EnvError):
+                raise self._failed(TrajectoryFailed(str(exc.error))) from exc
+            raise
+        except TrajectoryFailed as exc:
+            raise self._failed(exc) from None
+        finally:
+            if traj is None or not traj.done:  # the env keeps a finished episode no longer
+                await self._close(session)
+
+    def _failed(self, error: TrajectoryFailed) -> TrajectoryFailed:
+        logger.warning("trajectory failed (the run goes on without it): %s", error)
+        return error
+
+    async def _close(self, session: str) -> None:
+        """End the session's episode on the env replicas, whichever holds it; never raises."""
+        try:
+            await asyncio.wait_for(self.roles.env.close.fanout([session]), 10.0)
+        except Exception as exc:  # noqa: BLE001 - a replica that is gone holds no episode
+            logger.debug("closing env session %s: %r", session, exc)

@@ -1,0 +1,188 @@
+"""GRPO chaos report: role processes are killed during a run; does the run lose anything?
+
+    python benchmarks/grpo_chaos.py --out grpo_chaos.json [--steps 30] [--kill-every 6]
+
+Two runs of the GRPO app (``configs/grpo_tiny.yaml``, 2 policy and 2 reference replicas, the
+same seed and settings), one after the other: an undisturbed one, then one in which every
+``--kill-every`` steps a random process of a non-trainer role (policy, reference or reward
+replica) is SIGKILLed, and one of those disruptions is a SIGSTOP instead (a hung process, found
+by the health probes). Writes JSON with
+
+- ``steps_completed`` (must equal ``steps``) and the chaos run's exit code;
+- ``restarts`` per role, and ``disruptions`` (what was done to which role, at which step);
+- ``groups_lost`` and ``groups_duplicated`` (each must be 0), from the run's own books
+  (``groups/*`` in ``metrics.jsonl``) and the number of groups trained;
+- ``final_reward_vs_undisturbed``: the mean reward of the last 10 steps, chaos / undisturbed
+  (goal >= 0.9; concurrent rollouts make no two runs draw the same samples, so read it with
+  the undisturbed run's own noise in mind);
+- ``extra_wall_s_per_kill``: the training time (sum of step times) the chaos run took beyond
+  the undisturbed one, per disruption; and the total wall times;
+- the load average before and after (other jobs on the machine change every figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from apps.grpo.faults import role_processes  # noqa: E402
+
+TARGET_ROLES = ("policy", "reference", "reward")
+
+
+def app_command(out: Path, steps: int, prompts_per_step: int, seed: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "apps.grpo.main",
+        "--config",
+        "configs/grpo_tiny.yaml",
+        f"steps={steps}",
+        f"prompts_per_step={prompts_per_step}",
+        f"seed={seed}",
+        "policy.num_replicas=2",
+        "reference.num_replicas=2",
+        "faults.health_interval_s=1",
+        "faults.health_timeout_s=10",
+        "faults.restart_backoff_s=0.5",
+        f"model.path={out / 'tiny'}",
+        f"logging.output_dir={out / 'out'}",
+        "logging.progress_bar=false",
+        "logging.plot=false",
+        f"weight_sync.dir={out / 'weights'}",
+    ]
+
+
+def read_rows(out: Path) -> list[dict]:
+    path = out / "out" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_app(out: Path, args: argparse.Namespace, chaos: bool) -> dict:
+    """One app run; with ``chaos``, disrupt a random non-trainer role every ``kill_every`` steps."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    cmd = app_command(out, args.steps, args.prompts_per_step, args.seed)
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rng = random.Random(args.seed)
+    due = list(range(args.kill_every, args.steps, args.kill_every))  # steps after which to disrupt
+    stop_at = due[len(due) // 2] if due else None  # the one SIGSTOP, mid-run
+    disruptions: list[dict] = []
+    stopped: list = []
+    try:
+        while chaos and due and proc.poll() is None:
+            if len(read_rows(out)) < due[0]:
+                time.sleep(0.2)
+                continue
+            step = due.pop(0)
+            role = rng.choice(TARGET_ROLES)
+            victims = [v for v in role_processes(proc.pid, role) if v not in stopped]
+            if not victims:  # all of its replicas are restarting right now
+                disruptions.append({"step": step, "role": role, "signal": None})
+                continue
+            victim = rng.choice(victims)
+            sig = signal.SIGSTOP if step == stop_at else signal.SIGKILL
+            victim.send_signal(sig)
+            if sig == signal.SIGSTOP:
+                stopped.append(victim)
+            disruptions.append({"step": step, "role": role, "signal": sig.name, "pid": victim.pid})
+            print(f"  step {step}: {sig.name} {role} (pid {victim.pid})", flush=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+    finally:
+        for victim in stopped:  # the run replaced it; don't leave it behind
+            try:
+                victim.kill()
+            except Exception:
+                pass
+    wall_s = time.monotonic() - started
+    rows = read_rows(out)
+    if proc.returncode != 0:
+        print(f"  exit {proc.returncode}:\n{stderr[-3000:]}", file=sys.stderr)
+    return {"exit_code": proc.returncode, "wall_s": wall_s, "rows": rows, "disruptions": disruptions}
+
+
+def tail_reward(rows: list[dict], k: int = 10) -> float:
+    tail = rows[-k:]
+    return sum(r["reward_mean"] for r in tail) / len(tail) if tail else 0.0
+
+
+def report(args: argparse.Namespace, calm: dict, chaos: dict) -> dict:
+    rows = chaos["rows"]
+    last = rows[-1] if rows else {}
+    hits = [d for d in chaos["disruptions"] if d["signal"] is not None]
+    trained = int(last.get("groups/trained", 0))
+    train_s = {name: sum(r["step_time_s"] for r in run["rows"]) for name, run in (("calm", calm), ("chaos", chaos))}
+    return {
+        "steps": args.steps,
+        "steps_completed": len(rows),
+        "step_numbers_match": [r["step"] for r in rows] == list(range(1, args.steps + 1)),
+        "exit_code": chaos["exit_code"],
+        "undisturbed_exit_code": calm["exit_code"],
+        "disruptions": chaos["disruptions"],
+        "restarts": {role: int(last.get(f"restarts/{role}", 0)) for role in TARGET_ROLES},
+        "requests_retried": {role: int(last.get(f"retried/{role}", 0)) for role in TARGET_ROLES},
+        "groups_regenerated": int(last.get("groups/regenerated", 0)),
+        "groups_trained": trained,
+        "groups_lost": int(last.get("groups/lost", 0))
+        + int(last.get("groups/unaccounted", 0))
+        + max(0, args.steps * args.prompts_per_step - trained),
+        "groups_duplicated": int(last.get("groups/duplicates", 0)),
+        "groups_dropped_stale": int(last.get("groups/dropped_stale", 0)),
+        "final_reward": tail_reward(rows),
+        "undisturbed_final_reward": tail_reward(calm["rows"]),
+        "final_reward_vs_undisturbed": tail_reward(rows) / max(tail_reward(calm["rows"]), 1e-9),
+        "train_s": train_s,
+        "wall_s": {"calm": calm["wall_s"], "chaos": chaos["wall_s"]},
+        "extra_wall_s_per_kill": (train_s["chaos"] - train_s["calm"]) / max(1, len(hits)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-every", type=int, default=6, help="disrupt a role every K steps")
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="longest one app run may take")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="grpo-chaos-") as tmp:
+        print("undisturbed run ...", flush=True)
+        calm = run_app(Path(tmp) / "calm", args, chaos=False)
+        print("chaos run ...", flush=True)
+        chaos = run_app(Path(tmp) / "chaos", args, chaos=True)
+    result = report(args, calm, chaos)
+    result["load_avg_before"], result["load_avg_after"] = load_before, os.getloadavg()
+    for key in (
+        "steps_completed",
+        "exit_code",
+        "restarts",
+        "groups_lost",
+        "groups_duplicated",
+        "final_reward_vs_undisturbed",
+        "extra_wall_s_per_kill",
+    ):
+        print(f"{key:>28}: {result[key]}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

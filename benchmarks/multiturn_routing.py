@@ -1,0 +1,158 @@
+"""Multi-turn routing: session affinity vs round robin vs least loaded, side by side in one run.
+
+    python benchmarks/multiturn_routing.py [--out results.json] [--groups 4] [--turns 6]
+
+Two vLLM policy replicas (a small random-init model, prefix caching on) serve ``groups x
+group_size`` concurrent multi-turn trajectories with long histories: each group shares a long
+prompt, and every turn appends the policy's sample and a long environment observation, so the
+next turn's prompt is the whole history. The same workload runs under each router of the
+policy's ``generate_turn`` endpoint, each on a fresh service (empty caches):
+
+- ``affinity``: ``forge.envs.SessionAffinity`` (a session's turns on one replica, a group
+  started on one replica under a cap);
+- ``round_robin`` and ``least_loaded`` (power of two choices): forge's built-in routers.
+
+Reported per router, from vLLM's own counters (``Policy.prefix_cache_stats``): the prefix-cache
+hit rate (cached prompt tokens / prompt tokens), the prefill tokens computed (prompt tokens not
+served from the cache), turns per second, and the load CV (std / mean of the turns each replica
+served). The KV cache of each replica holds about one copy of every history, not two: a router
+that spreads a session over both replicas makes each hold (and evict) all of them.
+
+Keys: ``affinity_vs_round_robin_throughput`` (goal >= 1.5), ``affinity_vs_round_robin_hit_rate``
+(goal >= 2), ``affinity_load_cv`` (goal <= 0.2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import forge.controller  # noqa: F401  (before anything imports monarch)
+from forge.actors.policy import Policy, PolicyConfig
+from forge.envs import SessionAffinity, SessionKey
+from forge.models import make_tiny_model
+from forge.types import TurnRequest
+
+ROUTERS = {"affinity": SessionAffinity, "round_robin": "round_robin", "least_loaded": "least_loaded"}
+
+
+async def run_workload(args: argparse.Namespace, model: Path, router: Any) -> dict[str, float]:
+    """All trajectories, concurrently, under one router on a fresh 2-replica policy service."""
+    config = PolicyConfig(
+        model_path=str(model),
+        max_tokens=args.sample_tokens,
+        max_model_len=args.prompt_tokens + args.turns * (args.obs_tokens + args.sample_tokens) + 64,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        engine_kwargs={"disable_log_stats": False, "use_tqdm_on_load": False},
+        seed=0,
+    )
+    policy = await Policy.options(
+        num_replicas=2, env={"OMP_NUM_THREADS": "1"}, endpoint_routers={"generate_turn": router}
+    ).as_service(config)
+    try:
+        vocab = range(4, 60)
+        rng = random.Random(0)
+        prompts = [torch.tensor([rng.choice(vocab) for _ in range(args.prompt_tokens)]) for _ in range(args.groups)]
+
+        async def trajectory(group: int, sample: int) -> int:
+            session = f"g{group}/s{sample}"
+            key = SessionKey(session, f"g{group}")
+            history = prompts[group]
+            obs_rng = random.Random(hash((group, sample)) & 0xFFFF)
+            for _ in range(args.turns):
+                turn = await policy.generate_turn.route(TurnRequest(session, history), key=key, timeout=600)
+                observation = torch.tensor([obs_rng.choice(vocab) for _ in range(args.obs_tokens)])
+                history = torch.cat([history, turn.token_ids, observation])
+            return args.turns
+
+        before = await policy.prefix_cache_stats.fanout()
+        t0 = time.perf_counter()
+        turns = await asyncio.gather(*(trajectory(g, s) for g in range(args.groups) for s in range(args.group_size)))
+        elapsed = time.perf_counter() - t0
+        after = await policy.prefix_cache_stats.fanout()
+        per_replica = [m["endpoints"]["generate_turn"]["requests"] for m in policy.metrics()["replicas"].values()]
+    finally:
+        await policy.shutdown()
+    delta = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in after[0]}
+    mean = statistics.fmean(per_replica)
+    return {
+        "hit_rate": delta["prompt_tokens_cached"] / delta["prompt_tokens"] if delta["prompt_tokens"] else 0.0,
+        "prefix_cache_hit_rate_blocks": delta["hits"] / delta["queries"] if delta["queries"] else 0.0,
+        "prompt_tokens": delta["prompt_tokens"],
+        "prefill_tokens": delta["prompt_tokens"] - delta["prompt_tokens_cached"],
+        "turns": sum(turns),
+        "turns_per_s": sum(turns) / elapsed,
+        "seconds": elapsed,
+        "turns_per_replica": per_replica,
+        "load_cv": statistics.pstdev(per_replica) / mean if mean else 0.0,
+    }
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    model = make_tiny_model(
+        Path(args.model_dir), hidden_size=args.hidden_size, num_layers=args.layers, init_std=0.1, seed=0
+    )
+    results: dict[str, dict[str, float]] = {}
+    for name in args.routers.split(","):
+        results[name] = await run_workload(args, model, ROUTERS[name])
+        r = results[name]
+        print(
+            f"{name:>13}: hit rate {r['hit_rate']:.3f}, prefill {r['prefill_tokens']:.0f} tokens, "
+            f"{r['turns_per_s']:.2f} turns/s, load CV {r['load_cv']:.3f} {r['turns_per_replica']}",
+            flush=True,
+        )
+    out: dict[str, Any] = {"routers": results}
+    if "affinity" in results and "round_robin" in results:
+        a, rr = results["affinity"], results["round_robin"]
+        out["affinity_vs_round_robin_throughput"] = a["turns_per_s"] / rr["turns_per_s"]
+        out["affinity_vs_round_robin_hit_rate"] = a["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
+        out["affinity_vs_round_robin_prefill"] = a["prefill_tokens"] / rr["prefill_tokens"]
+        out["affinity_load_cv"] = a["load_cv"]
+    if "affinity" in results and "least_loaded" in results:
+        a, ll = results["affinity"], results["least_loaded"]
+        out["affinity_vs_least_loaded_throughput"] = a["turns_per_s"] / ll["turns_per_s"]
+        out["affinity_vs_least_loaded_hit_rate"] = a["hit_rate"] / ll["hit_rate"] if ll["hit_rate"] else float("inf")
+    out["workload"] = {k: v for k, v in vars(args).items() if k not in ("out", "model_dir")}
+    out["load_average_1m"] = os.getloadavg()[0]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="write the results as JSON to this file")
+    parser.add_argument("--routers", default="affinity,round_robin,least_loaded")
+    parser.add_argument("--groups", type=int, default=4, help="prompts; each shared by its group's trajectories")
+    parser.add_argument("--group-size", type=int, default=4, help="trajectories per prompt")
+    parser.add_argument("--turns", type=int, default=6, help="policy turns per trajectory")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="length of each group's shared prompt")
+    parser.add_argument("--obs-tokens", type=int, default=192, help="environment tokens appended after each turn")
+    parser.add_argument("--sample-tokens", type=int, default=2, help="tokens the policy samples per turn")
+    parser.add_argument("--hidden-size", type=int, default=512, help="model width (a multiple of 64)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument("--kv-cache-mib", type=int, default=150, help="KV cache of each replica")
+    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "forge-bench-multiturn-model"))
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args))
+    for key in (
+        "affinity_vs_round_robin_throughput",
+        "affinity_vs_round_robin_hit_rate",
+        "affinity_load_cv",
+    ):
+        if key in result:
+            print(f"{key} = {result[key]:.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""A GRPO run outlives its rollout side: real role processes are SIGKILLed or SIGSTOPped mid-run.
+
+The end-to-end tests start the app as a user does (``python -m apps.grpo.main``, the tiny config
+shrunk by overrides) and find a role's processes through psutil and the ``FORGE_GRPO_ROLE``
+variable each role's processes carry. The weight-sync test drives the app's own sync code
+against a real two-replica service of a light actor, so that the death can land while the
+sync is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from apps.grpo.faults import role_processes
+from forge.controller import ForgeActor, endpoint
+
+pytest.importorskip("vllm")
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(480)
+STEPS = 8
+
+
+def _app(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    args = [
+        sys.executable,
+        "-m",
+        "apps.grpo.main",
+        "--config",
+        "configs/grpo_tiny.yaml",
+        f"steps={STEPS}",
+        "prompts_per_step=4",
+        "group_size=4",
+        f"model.path={tmp_path / 'tiny'}",
+        f"logging.output_dir={tmp_path / 'out'}",
+        "logging.progress_bar=false",
+        f"weight_sync.dir={tmp_path / 'weights'}",
+        *overrides,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the app did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+def _rows(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "out" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for_step(proc: subprocess.Popen, tmp_path: Path, step: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_rows(tmp_path)) < step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, out, err = _finish(proc, timeout=10)
+            pytest.fail(f"the app never got to step {step}\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
+        time.sleep(0.2)
+
+
+def _accounted(row: dict, steps: int, prompts_per_step: int = 4) -> None:
+    """Every group went somewhere, none twice, and exactly the steps' groups were trained."""
+    assert row["groups/lost"] == 0 and row["groups/unaccounted"] == 0, row
+    assert row["groups/duplicates"] == 0, row
+    assert row["groups/trained"] == steps * prompts_per_step, row
+
+
+def test_killed_policy_replica_restarts_resyncs_and_the_run_completes(tmp_path: Path) -> None:
+    """SIGKILL of the only policy process at step 2: the run waits for its restart, which loads
+    the current weights before serving, and completes every step (same numbers), exit 0."""
+    proc = _app(tmp_path)
+    _wait_for_step(proc, tmp_path, 2)
+    (victim,) = role_processes(proc.pid, "policy")
+    victim.kill()
+    code, out, err = _finish(proc)
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[-1]["restarts/policy"] == 1 and rows[-1]["restarts/reference"] == 0
+    # The restarted engine came up at version 0; it served only after loading the current weights
+    # (with max_policy_age=1 its version-0 groups could never train past step 2).
+    resyncs = [r for r in rows if r.get("weight_sync/resyncs")]
+    assert resyncs and resyncs[0]["weight_sync/resync_version"] >= 2, [r.get("weight_sync/resyncs") for r in rows]
+    _accounted(rows[-1], STEPS)
+
+
+@pytest.mark.slow
+def test_hung_reference_replica_is_found_by_health_probes_and_replaced(tmp_path: Path) -> None:
+    """SIGSTOP of the reference process: probes fail it within faults.health_timeout_s, a new
+    one takes over, the groups waiting on it are answered, and the run completes."""
+    import psutil
+
+    proc = _app(tmp_path, "faults.health_interval_s=1", "faults.health_timeout_s=5")
+    _wait_for_step(proc, tmp_path, 2)
+    (victim,) = role_processes(proc.pid, "reference")
+    victim.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        while not any(p.pid != victim.pid for p in role_processes(proc.pid, "reference")):
+            assert time.monotonic() - stopped_at < 5 + 1 + 30, "no new reference process 30 s past the timeout"
+            time.sleep(0.2)
+        code, out, err = _finish(proc)
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.kill()  # a stopped process takes SIGKILL (if the app's shutdown did not reap it)
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    assert "failed: no answer for 5s" in err
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[-1]["restarts/reference"] == 1
+    _accounted(rows[-1], STEPS)
+
+
+def test_a_role_without_restarts_left_stops_the_run_naming_the_role(tmp_path: Path) -> None:
+    """faults.max_restarts=0: the reward process's death ends the run, exit 1, and the message
+    names the role and says that no restart was allowed."""
+    proc = _app(tmp_path, "steps=1000", "faults.max_restarts=0")
+    _wait_for_step(proc, tmp_path, 2)
+    (victim,) = role_processes(proc.pid, "reward")
+    victim.kill()
+    code, out, err = _finish(proc, timeout=90)
+    assert code == 1, f"exit code {code}\nstderr:\n{err[-3000:]}"
+    assert "grpo: FAILED: role 'reward' failed: replica 0 failed" in err, err[-3000:]
+    assert "faults.max_restarts=0 allows no restart" in err
+    assert "failed 0 times" not in err
+
+
+@pytest.mark.slow
+def test_a_role_with_no_healthy_replica_for_too_long_stops_the_run(tmp_path: Path) -> None:
+    """A restart that cannot come within faults.max_unhealthy_s (its backoff is longer) ends the
+    run with a message naming the role and the time it had no healthy replica."""
+    proc = _app(tmp_path, "steps=1000", "faults.restart_backoff_s=60", "faults.max_unhealthy_s=3")
+    _wait_for_step(proc, tmp_path, 2)
+    (victim,) = role_processes(proc.pid, "reference")
+    victim.kill()
+    code, out, err = _finish(proc, timeout=90)
+    assert code == 1, f"exit code {code}\nstderr:\n{err[-3000:]}"
+    assert "role 'reference' failed: no healthy replica for 3s (faults.max_unhealthy_s=3)" in err, err[-3000:]
+
+
+def test_trainer_death_stops_the_run_and_says_how_to_resume(tmp_path: Path) -> None:
+    """SIGKILL of the trainer after a checkpoint: exit 1, and the message names the trainer and
+    the checkpoint to continue from with --resume."""
+    from forge.checkpoint import latest_checkpoint
+
+    proc = _app(tmp_path, "steps=1000", "trainer.checkpoint_every=2")
+    _wait_for_step(proc, tmp_path, 3)
+    (victim,) = role_processes(proc.pid, "trainer")
+    victim.kill()
+    code, out, err = _finish(proc, timeout=90)
+    assert code == 1, f"exit code {code}\nstderr:\n{err[-3000:]}"
+    newest = latest_checkpoint(tmp_path / "out" / "checkpoints")
+    assert newest is not None
+    assert "grpo: FAILED: role 'trainer' failed: " in err, err[-3000:]
+    assert f"continue from its newest checkpoint ({newest.name}) with the same command plus --resume" in err
+
+
+# ----------------------------------------------------------------------------- weight sync
+class SlowPolicy(ForgeActor):
+    """A policy stand-in whose weight load takes ``load_s``: long enough to kill it midway."""
+
+    def __init__(self, load_s: float) -> None:
+        self.load_s = load_s
+        self.served = 0
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def update_weights(self, weights: dict, version: int) -> int:
+        await asyncio.sleep(self.load_s)
+        self.served = version
+        return version
+
+    @endpoint
+    async def version(self) -> int:
+        return self.served
+
+
+async def test_weight_sync_to_a_replica_that_dies_midway_neither_fails_nor_hangs(tmp_path: Path) -> None:
+    """A policy replica SIGKILLed while it loads new weights: the push returns once the live
+    replica has loaded them, and the restarted replica loads them (resync) before serving."""
+    import functools
+
+    from apps.grpo.config import GRPOConfig, ModelSection
+    from apps.grpo.roles import Roles
+    from apps.grpo.training import push_weights, resync_policy
+
+    cfg = GRPOConfig(model=ModelSection(path=str(tmp_path)))
+    # The restart waits 3 s (backoff): a push that waited for the dead replica would return after it.
+    svc = await SlowPolicy.options(name="policy", num_replicas=2, restart_backoff_s=3.0, max_restarts=2).as_service(1.5)
+    try:
+        roles = Roles(policy=svc)
+        svc.set_resync(functools.partial(resync_policy, cfg, roles))
+        replicas = svc.service.replicas
+        victim = await replicas[0].call("pid", (), {}, 30.0)
+        push = asyncio.create_task(push_weights(cfg, roles, {"w": 1}, 7))
+        await asyncio.sleep(0.5)  # both loads are in flight
+        os.kill(victim, signal.SIGKILL)
+        assert await asyncio.wait_for(push, 60.0) == 7
+        assert replicas[0].restarts == 0, "the push waited for the dead replica's restart"
+        assert await replicas[1].call("version", (), {}, 30.0) == 7
+        deadline = time.monotonic() + 120
+        while not (replicas[0].accepting and replicas[0].restarts == 1):
+            assert time.monotonic() < deadline, f"replica 0 never came back: {replicas[0].state}"
+            await asyncio.sleep(0.1)
+        assert await replicas[0].call("version", (), {}, 30.0) == 7, "the restarted replica took traffic unsynced"
+    finally:
+        await svc.shutdown()
