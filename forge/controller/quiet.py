@@ -9,6 +9,9 @@ banner without doing anything.
 
 ``quiet_monarch()`` filters the whole process's stderr (fd 2) instead, for entry points that
 also want Monarch's noise out of their own output (the GRPO app, demos, benchmarks).
+
+Both also turn off, in the controller, Monarch's ``[actor=<root>]`` prefix on Python log
+records (see ``plain_controller_logs``).
 """
 
 from __future__ import annotations
@@ -72,12 +75,29 @@ def quiet_monarch(pattern: re.Pattern[bytes] = NOISE) -> None:
     atexit.register(restore)
 
 
+def plain_controller_logs() -> None:
+    """Stop Monarch prefixing this process's log records with ``[actor=<root>]``.
+
+    Once a process has a Monarch context, Monarch adds a filter to every logging handler that
+    rewrites ``record.msg`` in place, so a record that reaches three handlers reads
+    ``[actor=<root>] [actor=<root>] [actor=<root>] ...``. In the controller the prefix names no
+    actor; actor processes keep theirs (this setting is per process). The setting lives in a
+    private Monarch module: if it moves, the prefix simply stays.
+    """
+    try:
+        from monarch._src.actor import config as actor_config
+    except ImportError:
+        return
+    actor_config.prefix_python_logs_with_actor = False
+
+
 def local_host() -> Any:
     """``monarch.actor.this_host()``; the call that starts Monarch's host agent gives it a
     filtered stderr (see the module docstring). Later calls return the same host."""
     global _host_started
     from monarch.actor import this_host
 
+    plain_controller_logs()
     with _host_lock:
         if _installed or _host_started:  # the whole process is filtered, or the agent runs
             return this_host()

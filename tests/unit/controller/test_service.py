@@ -302,3 +302,19 @@ def test_bad_options_are_clear_errors(options, message):
 def test_unknown_endpoint_router_is_named():
     with pytest.raises(ValueError, match="names 'nope', which is not an endpoint of Counter"):
         asyncio.run(Counter.options(endpoint_routers={"nope": "round_robin"}).as_service())
+
+
+def test_controller_log_records_carry_no_monarch_actor_prefix(caplog):
+    """After the controller has used Monarch, its own log lines read as written, not
+    ``[actor=<root>] [actor=<root>] ...`` once per handler."""
+    import logging
+
+    from monarch.actor import context
+
+    from forge.controller.quiet import local_host
+
+    local_host()  # what every forge mesh start goes through
+    context()  # the controller's Monarch context, as any Monarch call in this thread makes it
+    with caplog.at_level(logging.INFO, logger="forge.test"):
+        logging.getLogger("forge.test").info("step 3 | loss 0.5")
+    assert [r.getMessage() for r in caplog.records] == ["step 3 | loss 0.5"]
