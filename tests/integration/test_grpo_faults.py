@@ -15,11 +15,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from app_runs import finish_app, start_app
 
 from apps.grpo.faults import role_processes
 from forge.controller import ForgeActor, endpoint
@@ -32,33 +32,11 @@ STEPS = 8
 
 
 def _app(tmp_path: Path, *overrides: str) -> subprocess.Popen:
-    args = [
-        sys.executable,
-        "-m",
-        "apps.grpo.main",
-        "--config",
-        "configs/grpo_tiny.yaml",
-        f"steps={STEPS}",
-        "prompts_per_step=4",
-        "group_size=4",
-        f"model.path={tmp_path / 'tiny'}",
-        f"logging.output_dir={tmp_path / 'out'}",
-        "logging.progress_bar=false",
-        f"weight_sync.dir={tmp_path / 'weights'}",
-        *overrides,
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_app(tmp_path, *overrides, steps=STEPS)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"the app did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
-    return proc.returncode, out, err
+    return finish_app(proc, timeout)
 
 
 def _rows(tmp_path: Path) -> list[dict]:
