@@ -108,6 +108,7 @@ def test_hung_reference_replica_is_found_by_health_probes_and_replaced(tmp_path:
     _accounted(rows[-1], STEPS)
 
 
+@pytest.mark.slow  # ~40 s; test_grpo_app's role-failure test covers max_restarts=0 by default
 def test_a_role_without_restarts_left_stops_the_run_naming_the_role(tmp_path: Path) -> None:
     """faults.max_restarts=0: the reward process's death ends the run, exit 1, and the message
     names the role and says that no restart was allowed."""
@@ -135,6 +136,7 @@ def test_a_role_with_no_healthy_replica_for_too_long_stops_the_run(tmp_path: Pat
     assert "role 'reference' failed: no healthy replica for 3s (faults.max_unhealthy_s=3)" in err, err[-3000:]
 
 
+@pytest.mark.slow  # ~40 s
 def test_trainer_death_stops_the_run_and_says_how_to_resume(tmp_path: Path) -> None:
     """SIGKILL of the trainer after a checkpoint: exit 1, and the message names the trainer and
     the checkpoint to continue from with --resume."""

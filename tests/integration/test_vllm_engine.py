@@ -306,6 +306,7 @@ async def test_async_update_waits_for_generate_in_flight(
 
 
 # ------------------------------------------------------------------ the Policy service
+@pytest.mark.slow  # ~35 s; the engine-level tests above run async mode by default
 async def test_policy_service_in_async_mode_generates_groups_and_updates_weights(
     tiny_model_dir: Path, tiny_model_dir_alt: Path
 ) -> None:
