@@ -15,8 +15,16 @@ policy's ``generate_turn`` endpoint, each on a fresh service (empty caches):
 Reported per router, from vLLM's own counters (``Policy.prefix_cache_stats``): the prefix-cache
 hit rate (cached prompt tokens / prompt tokens), the prefill tokens computed (prompt tokens not
 served from the cache), turns per second, and the load CV (std / mean of the turns each replica
-served). The KV cache of each replica holds about one copy of every history, not two: a router
-that spreads a session over both replicas makes each hold (and evict) all of them.
+served).
+
+The KV cache is the scarce resource of a serving replica, and the one that routing decides how
+to spend. ``--kv-cache-copies`` sizes each replica's cache as a share of one copy of every
+trajectory's full history (default 0.55): enough for the half of the sessions that affinity
+pins on a replica, too little for all of them. A router that spreads each session over both
+replicas makes each hold (and evict) every history. With a cache big enough for every history on
+every replica (``--kv-cache-copies 1.2``), any router finds its prefixes and the ratios fall
+towards 1; the JSON records the capacity vLLM reported (``kv_cache_tokens``) and the share of
+the histories it was (``kv_cache_copies``).
 
 Keys: ``affinity_vs_round_robin_throughput`` (goal >= 1.5), ``affinity_vs_round_robin_hit_rate``
 (goal >= 2), ``affinity_load_cv`` (goal <= 0.2).
@@ -46,13 +54,34 @@ from forge.types import TurnRequest
 ROUTERS = {"affinity": SessionAffinity, "round_robin": "round_robin", "least_loaded": "least_loaded"}
 
 
+def distinct_tokens(args: argparse.Namespace) -> int:
+    """Tokens of every history at its end, each group's shared prompt counted once."""
+    return args.groups * args.prompt_tokens + args.groups * args.group_size * args.turns * (
+        args.sample_tokens + args.obs_tokens
+    )
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """Keys and values of one token over all layers, in the checkpoint's dtype (vLLM's ``auto``)."""
+    config = json.loads((model / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    element = torch.empty((), dtype=getattr(torch, config.get("dtype", "float32"))).element_size()
+    return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * element
+
+
+def kv_cache_bytes(args: argparse.Namespace, model: Path) -> int:
+    """Each replica's KV cache: ``--kv-cache-copies`` of one copy of every history."""
+    return int(args.kv_cache_copies * distinct_tokens(args) * kv_bytes_per_token(model))
+
+
 async def run_workload(args: argparse.Namespace, model: Path, router: Any) -> dict[str, float]:
     """All trajectories, concurrently, under one router on a fresh 2-replica policy service."""
     config = PolicyConfig(
         model_path=str(model),
         max_tokens=args.sample_tokens,
         max_model_len=args.prompt_tokens + args.turns * (args.obs_tokens + args.sample_tokens) + 64,
-        kv_cache_bytes=args.kv_cache_mib << 20,
+        kv_cache_bytes=kv_cache_bytes(args, model),
         engine_kwargs={"disable_log_stats": False, "use_tqdm_on_load": False},
         seed=0,
     )
@@ -71,6 +100,8 @@ async def run_workload(args: argparse.Namespace, model: Path, router: Any) -> di
             obs_rng = random.Random(hash((group, sample)) & 0xFFFF)
             for _ in range(args.turns):
                 turn = await policy.generate_turn.route(TurnRequest(session, history), key=key, timeout=600)
+                # The environment's step (a tool call, a game's move) takes its own time.
+                await asyncio.sleep(obs_rng.uniform(0.0, 2.0 * args.env_latency_ms / 1000))
                 observation = torch.tensor([obs_rng.choice(vocab) for _ in range(args.obs_tokens)])
                 history = torch.cat([history, turn.token_ids, observation])
             return args.turns
@@ -95,20 +126,22 @@ async def run_workload(args: argparse.Namespace, model: Path, router: Any) -> di
         "seconds": elapsed,
         "turns_per_replica": per_replica,
         "load_cv": statistics.pstdev(per_replica) / mean if mean else 0.0,
+        "kv_cache_tokens": after[0]["kv_cache_tokens"],
+        "kv_cache_copies": after[0]["kv_cache_tokens"] / distinct_tokens(args),
     }
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    model = make_tiny_model(
-        Path(args.model_dir), hidden_size=args.hidden_size, num_layers=args.layers, init_std=0.1, seed=0
-    )
+    model_dir = Path(args.model_dir) / f"{args.hidden_size}x{args.layers}"
+    model = make_tiny_model(model_dir, hidden_size=args.hidden_size, num_layers=args.layers, init_std=0.1, seed=0)
     results: dict[str, dict[str, float]] = {}
     for name in args.routers.split(","):
         results[name] = await run_workload(args, model, ROUTERS[name])
         r = results[name]
         print(
             f"{name:>13}: hit rate {r['hit_rate']:.3f}, prefill {r['prefill_tokens']:.0f} tokens, "
-            f"{r['turns_per_s']:.2f} turns/s, load CV {r['load_cv']:.3f} {r['turns_per_replica']}",
+            f"{r['turns_per_s']:.2f} turns/s, load CV {r['load_cv']:.3f} {r['turns_per_replica']}, "
+            f"KV cache {r['kv_cache_tokens']:.0f} tokens ({r['kv_cache_copies']:.2f} of the histories)",
             flush=True,
         )
     out: dict[str, Any] = {"routers": results}
@@ -133,14 +166,22 @@ def main() -> None:
     parser.add_argument("--routers", default="affinity,round_robin,least_loaded")
     parser.add_argument("--groups", type=int, default=4, help="prompts; each shared by its group's trajectories")
     parser.add_argument("--group-size", type=int, default=4, help="trajectories per prompt")
-    parser.add_argument("--turns", type=int, default=6, help="policy turns per trajectory")
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="length of each group's shared prompt")
-    parser.add_argument("--obs-tokens", type=int, default=192, help="environment tokens appended after each turn")
+    parser.add_argument("--turns", type=int, default=10, help="policy turns per trajectory")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="length of each group's shared prompt")
+    parser.add_argument("--obs-tokens", type=int, default=64, help="environment tokens appended after each turn")
+    parser.add_argument(
+        "--env-latency-ms", type=float, default=10.0, help="mean time of an environment step (uniform, 0 to 2x)"
+    )
     parser.add_argument("--sample-tokens", type=int, default=2, help="tokens the policy samples per turn")
     parser.add_argument("--hidden-size", type=int, default=512, help="model width (a multiple of 64)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
-    parser.add_argument("--kv-cache-mib", type=int, default=150, help="KV cache of each replica")
-    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "forge-bench-multiturn-model"))
+    parser.add_argument(
+        "--kv-cache-copies",
+        type=float,
+        default=0.55,
+        help="each replica's KV cache, as a share of one copy of every trajectory's full history",
+    )
+    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "forge-bench-multiturn-models"))
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     for key in (

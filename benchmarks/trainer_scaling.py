@@ -18,6 +18,15 @@ the other, with the same batch. Figures:
 - ``rank0_cpu_s_procs2_vs_procs1`` (diagnostic): CPU seconds rank 0's process spent in a step,
   2 ranks / 1 rank: the share of the work one rank does. On a machine without two free cores
   the step time cannot fall below the one-rank time, but this ratio still shows the split.
+- ``no_communication_floor_vs_procs1_step_time`` (diagnostic): two independent one-rank
+  trainers, each training on one half of the same batch at the same time, no collective at all:
+  the slower one's step time / the one-rank step time. It is the best the machine allows two
+  ranks; whatever ``trainer_procs2_vs_procs1_step_time`` lies above it is the price of FSDP2's
+  collectives.
+
+The default batch is 128 episodes, a GRPO step of 16 prompts x a group of 8 (the collectives'
+cost is fixed per step, the compute grows with the tokens, so a smaller batch measures mostly
+communication).
 
 The load average is recorded before and after: other work on the machine slows the two-rank
 trainer most (it needs two free cores).
@@ -88,10 +97,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         env = {"OMP_NUM_THREADS": "1"}
         load_before = os.getloadavg()
         trainers = {n: await Trainer.options(procs=n, name=f"scaling{n}", env=env).as_actor(config) for n in (1, 2)}
+        halves = [await Trainer.options(procs=1, name=f"half{i}", env=env).as_actor(config) for i in (0, 1)]
         try:
             params = await trainers[1].state_bytes.call_one()
             step_s: dict[int, list[float]] = {1: [], 2: []}
             cpu_s: dict[int, list[float]] = {1: [], 2: []}
+            floor_s: list[float] = []
             after: dict[int, dict[str, torch.Tensor]] = {}
             for step, batch in enumerate(batches, start=1):
                 for n, trainer in trainers.items():
@@ -100,6 +111,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     cpu_s[n].append(stats["train_cpu_s"])
                     if step == COMPARE_AFTER_STEPS:
                         after[n], _ = await call_spmd(trainer.weights)
+                episodes = batch.unpack()
+                half = len(episodes) // 2
+                stats = await asyncio.gather(
+                    halves[0].train_step.call_one(episodes[:half]), halves[1].train_step.call_one(episodes[half:])
+                )
+                floor_s.append(max(s["train_s"] for s in stats))
             publish: dict[int, list[float]] = {1: [], 2: []}
             for _ in range(3):
                 for n, trainer in trainers.items():
@@ -108,7 +125,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     publish[n].append(time.perf_counter() - t0)
             state = {n: max((await t.state_bytes.call()).values()) for n, t in trainers.items()}
         finally:
-            await asyncio.gather(*(ForgeActor.shutdown(t) for t in trainers.values()), return_exceptions=True)
+            everyone = [*trainers.values(), *halves]
+            await asyncio.gather(*(ForgeActor.shutdown(t) for t in everyone), return_exceptions=True)
         load_after = os.getloadavg()
 
     n_params = sum(t.numel() for t in after[1].values())
@@ -122,6 +140,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "max_abs_weight_diff_procs2_vs_procs1": diff,
         "step_s": {str(n): v for n, v in step_s.items()},
         "rank0_cpu_s_procs2_vs_procs1": median_cpu[2] / median_cpu[1],
+        "no_communication_floor_vs_procs1_step_time": statistics.median(floor_s[1:]) / median_step[1],
+        "no_communication_floor_step_s": floor_s,
         "rank0_cpu_s": {str(n): v for n, v in cpu_s.items()},
         "rank_state_bytes": {str(n): v for n, v in state.items()},
         "model_parameters": n_params,
@@ -140,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--episodes", type=int, default=32, help="episodes per step (even: two equal shares)")
+    parser.add_argument("--episodes", type=int, default=128, help="episodes per step (even: two equal shares)")
     parser.add_argument("--steps", type=int, default=5, help=f"steps (>= {COMPARE_AFTER_STEPS})")
     parser.add_argument(
         "--keep-gathered",
@@ -161,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, (op, goal) in goals.items():
         value = result[name]
         print(f"{name:40s} {value:12.4g}   goal {op} {goal:g}   {'met' if value <= goal else 'NOT met'}")
-    print(f"{'rank0_cpu_s_procs2_vs_procs1':40s} {result['rank0_cpu_s_procs2_vs_procs1']:12.4g}   (diagnostic)")
+    for name in ("rank0_cpu_s_procs2_vs_procs1", "no_communication_floor_vs_procs1_step_time"):
+        print(f"{name:40s} {result[name]:12.4g}   (diagnostic)")
     print(f"{'publish_s':40s} " + ", ".join(f"procs={n}: {v:.3f}s" for n, v in result["publish_s"].items()))
     print(f"load average before {result['load_average_before']}, after {result['load_average_after']}")
     if args.out:

@@ -79,6 +79,8 @@ class PolicySection(Placement, PolicySettings):
 class ReferenceSection(Placement):
     dtype: str = "float32"
     """Reference model dtype."""
+    pack_sequences: bool = False
+    """Pack each batch's sequences into rows instead of padding them (``forge.models.pack_rows``)."""
 
 
 @dataclass(kw_only=True)
@@ -123,6 +125,25 @@ class RolloutSection:
     """Most groups buffered or in flight before rollouts wait; 0 means
     ``prompts_per_step * max(1, max_policy_age)``: what the next ``max_policy_age`` steps can
     use. More would be evicted as stale before it trains: wasted generation."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop a finished group whose rewards are all equal (its advantages
+    are all zero, so it teaches nothing) before it reaches the buffer, and keep generating until
+    the step has ``prompts_per_step`` groups with a reward spread. The cost is more generation
+    per step: about ``1 / (1 - zero_std_fraction)`` times as many groups (``zero_std_fraction``
+    is logged every step, on or off)."""
+    max_dropped_per_step: int | None = None
+    """With ``dynamic_sampling``: the most uniform groups dropped per training step (counted from
+    one step's log line to the next). Past it the step's further uniform groups are kept (they
+    train with zero advantages) and a warning is logged once for the step, so a task where nearly
+    every group is uniform still trains instead of generating forever. None (null):
+    ``4 * prompts_per_step``; 0 drops none."""
+
+    def __post_init__(self) -> None:
+        bound = self.max_dropped_per_step
+        if bound is not None and bound < 0:
+            raise ValueError(
+                f"rollout.max_dropped_per_step must be >= 0 (or null for 4 x prompts_per_step), got {bound}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -321,6 +342,7 @@ class GRPOConfig:
             raise ValueError(f"trainer.tis_cap must be > 0 (or null to disable it), got {t.tis_cap}")
         if t.logprob_chunk_tokens < 1:
             raise ValueError(f"trainer.logprob_chunk_tokens must be >= 1, got {t.logprob_chunk_tokens}")
+        self._check_loss_type()
         bad = [i for i in self.policy.stop_token_ids if i < 0]
         if bad:
             raise ValueError(f"policy.stop_token_ids must be token ids >= 0, got {bad[0]}")
@@ -330,6 +352,26 @@ class GRPOConfig:
                 f"of {TOKEN_BUDGET} tokens (forge.actors.reference_model.TOKEN_BUDGET): a longest sequence "
                 "could never be scored"
             )
+
+    def _check_loss_type(self) -> None:
+        """``trainer.loss_type`` is a known one; ``dr_grpo``'s constant length is a real length."""
+        from forge.losses.grpo import LOSS_TYPES
+
+        loss_type = self.trainer.loss_type
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"trainer.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+        if loss_type == "dr_grpo" and self.max_response_tokens < 1:
+            raise ValueError(
+                f"trainer.loss_type dr_grpo divides by policy.max_tokens, which must then be >= 1, "
+                f"got {self.policy.max_tokens}"
+            )
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The most trained tokens one episode can have: ``policy.max_tokens``, times
+        ``env.max_turns`` for multi-turn (environment tokens are not trained). The trainer's
+        constant length for ``trainer.loss_type`` ``dr_grpo``."""
+        return self.policy.max_tokens * (self.env.max_turns if self.env.cls else 1)
 
     def check_weight_sync_space(self, model_dir: str | Path) -> None:
         """With the file transport, fail now unless ``weight_sync.dir`` has room for what the trainer

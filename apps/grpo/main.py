@@ -12,7 +12,8 @@ The loop, top to bottom:
 1. Rollouts run continuously, ``rollout.concurrency`` prompts in flight: a prompt from the
    dataset -> ``group_size`` completions from the policy service (prebatched with the other
    prompts in flight, routed by prompt) -> a reward and reference logprobs for every completion
-   (both prebatched services) -> group-normalised advantages -> one group into the buffer.
+   (both prebatched services) -> group-normalised advantages -> one group into the buffer
+   (with ``rollout.dynamic_sampling``, a group whose rewards are all equal is dropped instead).
 2. Training waits for ``prompts_per_step`` groups that are at most ``max_policy_age`` versions
    old, takes one optimizer step, and syncs the new weights into every policy replica after
    every step (the policy loads them as soon as its generation batch in flight is done).
@@ -108,7 +109,7 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         if cfg.env.cls:  # multi-turn: trajectories against the environment service (multiturn.py)
             rollouts = MultiTurnRollouts.from_config(cfg, roles)
         else:
-            rollouts = Rollouts(roles, cfg.group_size, cfg.rollout_concurrency, cfg.max_buffered_groups)
+            rollouts = Rollouts.from_config(cfg, roles)
         training = asyncio.create_task(train(cfg, roles, rollouts, log, step, version), name="train")
         watcher = asyncio.create_task(watch.failed.wait(), name="failure-watch")
         services = asyncio.create_task(watch.watch_services(roles.services()), name="service-watch")

@@ -23,7 +23,9 @@ Failures: a trajectory whose environment raises, returns a malformed step, hangs
 naming the session and the cause; the group trains on the others. A group all of whose
 trajectories failed is tried again with the same prompt (``MAX_GROUP_TRIES`` times, then the
 run stops: the environment is broken, not unlucky). A policy or env replica that dies makes the
-whole group be generated again, as in single-turn rollouts.
+whole group be generated again, as in single-turn rollouts: a policy turn resent to a restarted
+replica just misses its prefix cache, but an env step resent to a restarted env replica finds
+no episode there (``UnknownSession``), so the group is played again from its prompt.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from apps.grpo.roles import RoleFailed, Roles, call_role
-from apps.grpo.rollouts import Rollouts
+from apps.grpo.rollouts import DynamicSampling, Rollouts
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
@@ -64,8 +66,9 @@ class MultiTurnRollouts(Rollouts):
         max_turns: int,
         max_tokens: int,
         max_model_len: int,
+        sampling: DynamicSampling | None = None,
     ) -> None:
-        super().__init__(roles, group_size, concurrency, max_buffered)
+        super().__init__(roles, group_size, concurrency, max_buffered, sampling=sampling)
         if roles.env is None:
             raise ValueError("multi-turn rollouts need an environment service (env.cls in the config)")
         self.max_turns = max_turns
@@ -75,16 +78,9 @@ class MultiTurnRollouts(Rollouts):
         self._sessions = itertools.count()
 
     @classmethod
-    def from_config(cls, cfg: GRPOConfig, roles: Roles) -> MultiTurnRollouts:
-        return cls(
-            roles,
-            cfg.group_size,
-            cfg.rollout_concurrency,
-            cfg.max_buffered_groups,
-            max_turns=cfg.env.max_turns,
-            max_tokens=cfg.policy.max_tokens,
-            max_model_len=cfg.policy.max_model_len,
-        )
+    def from_config(cls, cfg: GRPOConfig, roles: Roles, **extra: Any) -> MultiTurnRollouts:
+        limits = {"max_turns": cfg.env.max_turns, "max_model_len": cfg.policy.max_model_len}
+        return super().from_config(cfg, roles, max_tokens=cfg.policy.max_tokens, **limits, **extra)
 
     async def one_group(self, prompt: Any, group_id: str) -> Any:
         """``group_size`` trajectories of ``prompt`` -> reference logprobs -> scored episodes."""
@@ -139,7 +135,8 @@ class MultiTurnRollouts(Rollouts):
 
     async def trajectory(self, prompt: Any, group_id: str) -> Trajectory:
         """Play one episode to its end; ``TrajectoryFailed`` (logged) if it cannot finish."""
-        from forge.envs import Action, EnvError, ResetRequest, SessionKey, StepRequest, Trajectory
+        from forge.controller import ReplicaFailed
+        from forge.envs import Action, EnvError, ResetRequest, SessionKey, StepRequest, Trajectory, UnknownSession
         from forge.types import TurnRequest
 
         session = f"{group_id}/{next(self._sessions)}"
@@ -168,6 +165,11 @@ class MultiTurnRollouts(Rollouts):
                 f"session {session}: the environment did not finish the episode within env.max_turns={self.max_turns}"
             )
         except RoleFailed as exc:
+            if isinstance(exc.error, UnknownSession) and traj is not None:
+                # Reset here and not ended: the env replica that held the episode restarted and
+                # the service resent the step to its successor. Like a policy replica's death,
+                # the whole group is played again (``Rollouts._produce``).
+                raise RoleFailed("env", ReplicaFailed(f"session {session}: {exc.error}")) from exc
             if isinstance(exc.error, EnvError):
                 raise self._failed(TrajectoryFailed(str(exc.error))) from exc
             raise

@@ -16,6 +16,7 @@ from forge.controller.errors import describe
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
+    from forge.actors.trainer import TrainerConfig
 
 logger = logging.getLogger("forge.grpo")
 
@@ -97,8 +98,6 @@ async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
         ReplayBuffer,
         RewardActor,
         Trainer,
-        TrainerConfig,
-        TrainerSettings,
     )
     from forge.envs import SessionAffinity
 
@@ -110,15 +109,13 @@ async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
         seed=cfg.seed,
     )
     policy_cfg.engine_kwargs = {"use_tqdm_on_load": False, **p.engine_kwargs}
-    reference_cfg = ReferenceConfig(model_path=model_path, temperature=p.temperature, dtype=cfg.reference.dtype)
-    trainer_cfg = TrainerConfig(
-        **settings(t, TrainerSettings),
+    reference_cfg = ReferenceConfig(
         model_path=model_path,
         temperature=p.temperature,
-        seed=cfg.seed,
-        checkpoint_dir=cfg.checkpoint_dir if t.checkpoint_every else None,
-        stop_token_ids=list(p.stop_token_ids),  # the loss trains nothing past the policy's stop
+        dtype=cfg.reference.dtype,
+        pack_sequences=cfg.reference.pack_sequences,
     )
+    trainer_cfg = trainer_config(cfg, model_path)
     dataset_cfg = DatasetConfig(
         source=cfg.data.source,
         path=cfg.data.path,
@@ -226,6 +223,23 @@ def fault_options(cfg: GRPOConfig) -> dict[str, Any]:
         "health_timeout_s": f.health_timeout_s,
         "queue_timeout_s": f.max_unhealthy_s,
     }
+
+
+def trainer_config(cfg: GRPOConfig, model_path: str) -> TrainerConfig:
+    """The trainer's ``TrainerConfig``: the ``trainer`` section's settings plus what the run and
+    the policy decide (temperature, seed, stop tokens, the generation limit ``dr_grpo`` needs)."""
+    from forge.actors.trainer import TrainerConfig, TrainerSettings
+
+    t = cfg.trainer
+    return TrainerConfig(
+        **settings(t, TrainerSettings),
+        model_path=model_path,
+        temperature=cfg.policy.temperature,
+        seed=cfg.seed,
+        checkpoint_dir=cfg.checkpoint_dir if t.checkpoint_every else None,
+        stop_token_ids=list(cfg.policy.stop_token_ids),  # the loss trains nothing past the policy's stop
+        max_response_tokens=cfg.max_response_tokens,  # dr_grpo's constant length
+    )
 
 
 def settings(section: Any, settings_cls: type) -> dict[str, Any]:

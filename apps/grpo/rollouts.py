@@ -6,12 +6,17 @@ import asyncio
 import collections
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from apps.grpo.roles import RoleFailed, Roles, call_role
 from forge.controller import Batcher, Batching
+
+if TYPE_CHECKING:
+    from apps.grpo.config import GRPOConfig
+    from forge.types import EpisodeBatch
 
 logger = logging.getLogger("forge.grpo")
 
@@ -32,12 +37,91 @@ class RolloutCounts:
     """Groups the buffer stored."""
     refused: int = 0
     """Groups the buffer refused as duplicates of a ``group_id`` it already had."""
+    dropped_uniform: int = 0
+    """Groups whose rewards were all equal, dropped before the buffer by dynamic sampling
+    (``rollout.dynamic_sampling``); they took no buffer slot and no trainer compute."""
     in_flight: int = 0
-    """Groups begun and not yet stored or refused (at the end of a run: cut off by its end)."""
+    """Groups begun and not yet stored, refused or dropped (at the end of a run: cut off by its end)."""
 
     @property
     def lost(self) -> int:
-        return self.started - self.stored - self.refused - self.in_flight
+        return self.started - self.stored - self.refused - self.dropped_uniform - self.in_flight
+
+
+def rewards_uniform(group: EpisodeBatch) -> bool:
+    """Whether every episode of ``group`` has the same reward. Such a group's advantages are
+    all exactly zero (``forge.losses.group_advantages``), so its policy-gradient term is zero:
+    it costs trainer compute and dilutes the batch but teaches nothing."""
+    rewards = group.rewards
+    return bool((rewards == rewards[0]).all())
+
+
+class DynamicSampling:
+    """Which finished groups go to the buffer, and what each step's groups looked like.
+
+    DAPO's dynamic sampling: with ``enabled``, a group whose rewards are all equal is dropped
+    instead of stored, so a step trains only on groups that teach something, at the cost of
+    generating more groups per step. At most ``max_dropped_per_step`` groups are dropped per
+    step (from one ``end_step`` to the next); past that, uniform groups are kept and a warning
+    is logged once for the step, so that a task where nearly every group is uniform still
+    trains (on zero-advantage groups) instead of generating forever.
+
+    Off or on, it counts the groups finished in each step and those whose rewards were all
+    equal (``zero_std_fraction``): what dynamic sampling would drop.
+    """
+
+    def __init__(self, enabled: bool = False, max_dropped_per_step: int = 0) -> None:
+        if isinstance(max_dropped_per_step, bool) or not isinstance(max_dropped_per_step, int):
+            raise ValueError(f"max_dropped_per_step must be an integer >= 0, got {max_dropped_per_step!r}")
+        if max_dropped_per_step < 0:
+            raise ValueError(f"max_dropped_per_step must be >= 0, got {max_dropped_per_step}")
+        self.enabled = enabled
+        self.max_dropped_per_step = max_dropped_per_step
+        self.finished = 0  # groups finished since the last end_step
+        self.uniform = 0  # of them, those whose rewards were all equal
+        self.dropped = 0  # of those, the ones dropped
+        self._warned = False
+
+    @classmethod
+    def from_config(cls, cfg: GRPOConfig) -> DynamicSampling:
+        """``rollout.dynamic_sampling`` and its bound; an unset bound is ``4 * prompts_per_step``."""
+        bound = cfg.rollout.max_dropped_per_step
+        return cls(cfg.rollout.dynamic_sampling, 4 * cfg.prompts_per_step if bound is None else bound)
+
+    def keep(self, group: EpisodeBatch) -> bool:
+        """Count one finished group; False if it is to be dropped rather than stored."""
+        self.finished += 1
+        if not rewards_uniform(group):
+            return True
+        self.uniform += 1
+        if not self.enabled:
+            return True
+        if self.dropped < self.max_dropped_per_step:
+            self.dropped += 1
+            return False
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "dynamic sampling: %d groups with all-equal rewards were dropped this step, the most "
+                "rollout.max_dropped_per_step allows; the step's further uniform groups are kept (they train "
+                "with zero advantages). So many uniform groups: the task may be too hard or too easy for the "
+                "policy",
+                self.dropped,
+            )
+        return True
+
+    def end_step(self) -> dict[str, float]:
+        """The step's metrics, then a fresh count and drop budget for the next step.
+
+        ``zero_std_fraction``: of the groups finished since the last step, the fraction whose
+        rewards were all equal (NaN, logged as null, if none finished); ``dropped_uniform_groups``:
+        how many of them dynamic sampling dropped.
+        """
+        fraction = self.uniform / self.finished if self.finished else math.nan
+        metrics = {"zero_std_fraction": fraction, "dropped_uniform_groups": float(self.dropped)}
+        self.finished = self.uniform = self.dropped = 0
+        self._warned = False
+        return metrics
 
 
 class Rollouts:
@@ -55,15 +139,27 @@ class Rollouts:
     A group whose policy, reference or reward call fails because a replica died or was
     restarting (``RoleFailed.recoverable``) is generated again from the same prompt; any other
     failure ends the run.
+
+    Each finished group passes ``sampling`` (``DynamicSampling``) before the buffer: a group it
+    drops frees its backpressure slot at once and is counted in ``counts.dropped_uniform``.
     """
 
-    def __init__(self, roles: Roles, group_size: int, concurrency: int, max_buffered: int) -> None:
+    def __init__(
+        self,
+        roles: Roles,
+        group_size: int,
+        concurrency: int,
+        max_buffered: int,
+        *,
+        sampling: DynamicSampling | None = None,
+    ) -> None:
         self.roles = roles
         self.group_size = group_size
         self.concurrency = concurrency
         self.max_buffered = max_buffered
         self.outstanding = 0  # groups in flight or in the buffer
         self.counts = RolloutCounts()
+        self.sampling = sampling if sampling is not None else DynamicSampling()
         self.buffer_stats: Any = None  # the buffer's counters (BufferStats) at the last sample
         self.room = asyncio.Condition()
         self.added = asyncio.Event()
@@ -73,6 +169,18 @@ class Rollouts:
         # One slot: while an add_many is in flight the next batch forms; no wait once it is free.
         writes = Batching(max_size=1 << 20, max_wait_s=0.0, max_concurrent_batches=1)
         self._writes = Batcher(writes, self._add_many, name="grpo-buffer-writes")
+
+    @classmethod
+    def from_config(cls, cfg: GRPOConfig, roles: Roles, **extra: Any) -> Rollouts:
+        """The run's rollouts; ``extra`` are a subclass's own keyword arguments."""
+        return cls(
+            roles,
+            cfg.group_size,
+            cfg.rollout_concurrency,
+            cfg.max_buffered_groups,
+            sampling=DynamicSampling.from_config(cfg),
+            **extra,
+        )
 
     @property
     def groups_added(self) -> int:
@@ -101,15 +209,19 @@ class Rollouts:
             self.counts.in_flight += 1
             try:
                 group = await self._produce()
-                stored = await self._writes.enqueue(group)
+                kept = self.sampling.keep(group)
+                stored = await self._writes.enqueue(group) if kept else False
             finally:
                 self.counts.in_flight -= 1
             if stored:
                 self.counts.stored += 1
                 self.added.set()
-            else:
+                continue
+            if kept:
                 self.counts.refused += 1
-                await self.taken(1)
+            else:
+                self.counts.dropped_uniform += 1
+            await self.taken(1)  # a refused or dropped group frees its slot
 
     async def _add_many(self, groups: list[Any], key: Any) -> list[bool]:
         """The buffer writer's executor: one message for every group that finished meanwhile."""

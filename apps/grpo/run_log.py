@@ -134,5 +134,16 @@ class RunLog:
         return (
             f"grpo: {len(rewards)} steps{resumed} in {elapsed_s:.1f}s (startup {startup_s:.1f}s); "
             f"reward first-{k} {first:.3f} -> last-{k} {last:.3f}; final loss {self.rows[-1]['loss']:.4f}; "
-            f"metrics {self.metrics_path}"
+            f"{self.uniform_groups_summary()}metrics {self.metrics_path}"
         )
+
+    def uniform_groups_summary(self) -> str:
+        """The share of groups whose rewards were all equal (they teach nothing; the mean over steps
+        of ``zero_std_fraction``) and how many dynamic sampling dropped, e.g. ``"uniform groups
+        31%, 40 dropped; "``; empty if no row has it (every step's groups were cut off, or the
+        rows are of a run from before these metrics)."""
+        fractions = [f for r in self.rows if isinstance(f := r.get("zero_std_fraction"), (int, float)) and f == f]
+        if not fractions:
+            return ""
+        dropped = sum(r.get("dropped_uniform_groups") or 0 for r in self.rows)
+        return f"uniform groups {100 * sum(fractions) / len(fractions):.0f}%, {dropped:.0f} dropped; "

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apps.grpo.roles import RoleFailed, Roles, ServedWeights, call_role
-from apps.grpo.rollouts import Rollouts
+from apps.grpo.rollouts import Rollouts, rewards_uniform
 from forge.checkpoint import latest_checkpoint
 from forge.distributed import call_spmd  # the trainer is one SPMD mesh: every rank gets each call
 
@@ -68,6 +68,7 @@ async def train(
                     "wait_s": t1 - t0,
                     "train_s": t2 - t1,
                     "sync_wait_s": t3 - t2,
+                    **sampling_metrics(rollouts, groups),
                     **group_counts(rollouts),
                 },
                 roles,
@@ -101,15 +102,32 @@ async def wait_for_batch(cfg: GRPOConfig, roles: Roles, rollouts: Rollouts, vers
         await rollouts.added.wait()
 
 
+def sampling_metrics(rollouts: Rollouts, batch: list[Any]) -> dict[str, float]:
+    """How informative the step's groups were; called once per step, it also gives the next
+    step a fresh count and drop budget (``DynamicSampling.end_step``).
+
+    ``zero_std_fraction``: of the groups finished since the last step, the fraction whose rewards
+    were all equal, on or off dynamic sampling (what it drops, or would); ``dropped_uniform_groups``:
+    how many of them it dropped; ``batch_zero_std_groups``: the groups of this step's batch whose
+    rewards were all equal (0 with dynamic sampling unless ``rollout.max_dropped_per_step`` was reached).
+    """
+    return {
+        **rollouts.sampling.end_step(),
+        "batch_zero_std_groups": float(sum(rewards_uniform(group) for group in batch)),
+    }
+
+
 def group_counts(rollouts: Rollouts) -> dict[str, float]:
     """Where every group went so far (cumulative): started, generated again after a replica
-    died, stored, trained, dropped, still in flight; ``groups/lost`` and
-    ``groups/unaccounted`` are 0 unless a group vanished (rollouts' and the buffer's books)."""
+    died, stored, dropped by dynamic sampling, trained, dropped by the buffer, still in flight;
+    ``groups/lost`` and ``groups/unaccounted`` are 0 unless a group vanished (rollouts' and the
+    buffer's books)."""
     c, b = rollouts.counts, rollouts.buffer_stats
     counts = {
         "groups/started": c.started,
         "groups/regenerated": c.regenerated,
         "groups/stored": c.stored,
+        "groups/dropped_uniform": c.dropped_uniform,
         "groups/in_flight": c.in_flight,
         "groups/lost": c.lost,
     }

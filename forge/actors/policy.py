@@ -343,18 +343,21 @@ class Policy(ForgeActor):
     @endpoint
     async def prefix_cache_stats(self) -> dict[str, float]:
         """vLLM's own prompt-token counters: ``queries``/``hits`` of the prefix cache (tokens),
-        ``prompt_tokens`` and ``prompt_tokens_cached``. Needs ``engine_kwargs.disable_log_stats:
-        false`` (all zeros otherwise) and the batched engine."""
+        ``prompt_tokens`` and ``prompt_tokens_cached``; and ``kv_cache_tokens``, how many tokens
+        the KV cache holds. The counters need ``engine_kwargs.disable_log_stats: false`` (zeros
+        otherwise); all need the batched engine."""
         names = {
             "vllm:prefix_cache_queries": "queries",
             "vllm:prefix_cache_hits": "hits",
             "vllm:prompt_tokens": "prompt_tokens",
             "vllm:prompt_tokens_cached": "prompt_tokens_cached",
         }
-        out = dict.fromkeys(names.values(), 0.0)
+        out = dict.fromkeys([*names.values(), "kv_cache_tokens"], 0.0)
         llm = getattr(self.engine, "llm", None)
         if llm is None:
             return out
+        cache = llm.llm_engine.vllm_config.cache_config  # the capacity the engine found room for
+        out["kv_cache_tokens"] = float((cache.num_gpu_blocks or 0) * cache.block_size)
         for metric in llm.get_metrics():
             if metric.name in names:
                 out[names[metric.name]] += float(getattr(metric, "value", 0) or 0)

@@ -33,7 +33,7 @@ import torch
 
 from forge.controller import Batching, ForgeActor, endpoint
 from forge.distributed import SpmdRank, gather_objects, init_spmd, local_state_bytes, shard_model, shutdown_spmd
-from forge.models import sequence_logprobs
+from forge.models import forward_padding_fraction, sequence_logprobs
 from forge.observability import record_metric
 
 __all__ = ["TOKEN_BUDGET", "PackedPairs", "ReferenceConfig", "ReferenceModel", "length_bucket", "pair_tokens"]
@@ -100,6 +100,10 @@ class ReferenceConfig:
     """Token id used for padding (masked out; any valid id works)."""
     dist_timeout_s: float = 300.0
     """Longest the ranks of a ``procs > 1`` replica wait for each other."""
+    pack_sequences: bool = False
+    """Pack each batch's sequences into rows instead of right-padding them to the longest
+    (``forge.models.pack_rows``, rows twice the batch's longest sequence): almost no padding is
+    computed. Same logprobs to float rounding."""
 
 
 class ReferenceModel(ForgeActor):
@@ -158,7 +162,7 @@ class ReferenceModel(ForgeActor):
         out = self._score(prompts, responses)
         if self.rank.is_main:  # rank 0 answers (and is drained) for the replica
             lengths = [p + r for p, r in zip(pairs.prompt_lens, pairs.response_lens)]
-            record_metric("reference/padding_fraction", 1.0 - sum(lengths) / (max(lengths) * len(lengths)))
+            record_metric("reference/padding_fraction", forward_padding_fraction(lengths, self.config.pack_sequences))
             record_metric("reference/batch_size", len(lengths))
             record_metric("reference/forward_s", time.perf_counter() - t0, "sum")
         return torch.cat(out), pairs.response_lens
@@ -167,14 +171,16 @@ class ReferenceModel(ForgeActor):
         """Every pair's logprobs; on a sharded replica each rank scores a contiguous share."""
         cfg = self.config
         if not self.rank.distributed:
-            return sequence_logprobs(self.model, prompts, responses, cfg.temperature, cfg.pad_id)
+            return sequence_logprobs(
+                self.model, prompts, responses, cfg.temperature, cfg.pad_id, pack=cfg.pack_sequences
+            )
         share = math.ceil(len(prompts) / self.rank.world_size)
         lo = min(self.rank.rank * share, len(prompts))
         hi = min(lo + share, len(prompts))
         # A rank without pairs still runs one forward pass (on a stand-in it drops): FSDP's
         # all-gathers must pair up across the ranks.
         mine = (prompts[lo:hi], responses[lo:hi]) if hi > lo else (prompts[:1], responses[:1])
-        scored = sequence_logprobs(self.model, *mine, cfg.temperature, cfg.pad_id)
+        scored = sequence_logprobs(self.model, *mine, cfg.temperature, cfg.pad_id, pack=cfg.pack_sequences)
         return [t for part in gather_objects(scored if hi > lo else [], self.rank) for t in part]
 
     @endpoint

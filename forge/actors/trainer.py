@@ -16,9 +16,10 @@ returns rank 0's answer::
 
 A step splits the batch: rank ``r`` trains on the ``r``-th of ``procs`` equal slices, in
 micro-batches of ``micro_batch_size`` with gradient accumulation. The loss is normalised by the
-*global* counts (sequences for the loss, tokens for token means), so the update and the logged
-statistics equal a one-rank step on the whole batch; gradients are summed across ranks and
-clipped on their global norm.
+*global* counts (trained sequences, trained tokens or all sequences, as ``loss_type`` says;
+tokens for the token means among the statistics), so the update and the logged statistics
+equal a one-rank step on the whole batch; gradients are summed across ranks and clipped on
+their global norm.
 
 The trainer's logprobs are ``log_softmax(logits / temperature)`` at the sampler's temperature,
 the same quantity vLLM reports as ``processed_logprobs``, so the importance ratio against the
@@ -55,14 +56,15 @@ from forge.distributed import (
     shutdown_spmd,
 )
 from forge.losses import grpo_loss, trainable_lengths
-from forge.models import PaddedBatch, pack_right_padded, padded_token_logprobs
+from forge.losses.grpo import check_loss_type
+from forge.models import PaddedBatch, forward_padding_fraction, pack_right_padded, padded_token_logprobs
 from forge.types import Episode, EpisodeBatch
 
 __all__ = ["Trainer", "TrainerConfig", "TrainerSettings"]
 
 _TIED_HEAD = "lm_head.weight"
-# Statistics that are means over tokens; ``*_max`` ones are maxima; the rest are means over
-# sequences, like the loss.
+# Statistics that are means over tokens; ``*_max`` ones are maxima; the rest (``loss``,
+# ``pg_loss``, ``kl_loss``) are normalised like the loss, as ``loss_type`` says.
 _TOKEN_MEANS = frozenset({"kl", "clip_fraction", "ratio_mean", "mismatch_mean"})
 
 
@@ -93,6 +95,21 @@ class TrainerSettings:
     token's loss is weighted by ``min(exp(trainer - behaviour logprob), tis_cap)``. None: off."""
     mask_truncated: bool = False
     """Leave completions cut at ``policy.max_tokens`` (``finish_reason`` length) out of the loss."""
+    loss_type: str = "grpo"
+    """How per-token losses are aggregated over the whole step's batch (``forge.losses.grpo_loss``):
+    ``grpo``: the mean over sequences of each sequence's token mean (every sequence weighs the
+    same); ``dapo``: the mean over all trained tokens (every token weighs the same, so long
+    responses weigh more); ``dr_grpo``: the sum over trained tokens / (all the batch's sequences
+    x ``max_response_tokens``, the app's ``policy.max_tokens``), a constant, so no response
+    length enters the normaliser. The KL term and the logged ``loss``/``pg_loss``/``kl_loss``
+    are normalised the same way; ``kl``, ``clip_fraction`` and the ratio stats stay token means."""
+    pack_sequences: bool = False
+    """Pack each micro-batch's sequences into rows (first-fit decreasing, attention kept inside
+    each sequence: ``forge.models.pack_rows``) instead of right-padding every sequence to the
+    longest: the forward and backward compute almost no padding. Same loss and gradients to
+    float rounding. ``padding_fraction`` is logged either way."""
+    pack_row_tokens: int = 0
+    """Length of a packed row (at least the longest sequence); 0: twice the micro-batch's longest."""
     logprob_chunk_tokens: int = 512
     """Tokens whose logits are computed at once (``forge.models.padded_token_logprobs``): the
     full ``[B, T, V]`` logits never exist, so memory grows with this, not with the batch."""
@@ -133,6 +150,12 @@ class TrainerConfig(TrainerSettings):
     """The policy's stop tokens: a response trains up to its first one, inclusive."""
     checkpoint_dir: str | None = None
     """Where ``save_checkpoint`` writes full checkpoints (``<dir>/step_<N>``); None disables it."""
+    max_response_tokens: int = 0
+    """The most trained tokens one response can have (the sampler's ``max_tokens``; per turn
+    times turns for multi-turn): ``loss_type`` ``dr_grpo``'s constant length, needed (> 0) there."""
+
+    def __post_init__(self) -> None:
+        check_loss_type(self.loss_type, self.max_response_tokens)
 
 
 class Trainer(ForgeActor):
@@ -196,24 +219,22 @@ class Trainer(ForgeActor):
         size = cfg.micro_batch_size or share
         # Every rank runs the same number of micro-batches: FSDP's collectives must pair up.
         micro = [self._pack(mine[start : start + size]) for start in range(0, share, size)]
-        local = {
-            "sequences": float(sum(_trained_sequences(b) for b in micro)),
-            "tokens": float(sum(int(b.loss_mask.sum()) for b in micro)),
-        }
+        local = {**_counts(micro), **_forward_tokens(micro, cfg.pack_sequences, cfg.pack_row_tokens)}
         counts = all_reduce_sum(local, self.rank)  # the whole batch's, as one rank would see it
+        normaliser = _NORMALISER[cfg.loss_type]
         totals: dict[str, float] = {}
         maxima: dict[str, float] = {}
         for chunk, packed in zip(_chunks(mine, size), micro):
             loss, stats = self._loss(chunk, packed)
-            n_seqs, n_tokens = _trained_sequences(packed), int(packed.loss_mask.sum())
-            seq_weight = n_seqs / max(counts["sequences"], 1.0)
-            tok_weight = n_tokens / max(counts["tokens"], 1.0)
-            (loss * seq_weight).backward()  # summed over micro-batches and ranks: the global mean
+            own = _counts([packed])
+            loss_weight = own[normaliser] / max(counts[normaliser], 1.0)
+            tok_weight = own["tokens"] / max(counts["tokens"], 1.0)
+            (loss * loss_weight).backward()  # summed over micro-batches and ranks: the global loss
             for name, value in {"loss": loss.detach(), **stats}.items():
                 if name.endswith("_max"):
                     maxima[name] = max(maxima.get(name, float("-inf")), float(value))
                     continue
-                weight = tok_weight if name in _TOKEN_MEANS else seq_weight
+                weight = tok_weight if name in _TOKEN_MEANS else loss_weight
                 totals[name] = totals.get(name, 0.0) + weight * float(value)
         totals = {**all_reduce_sum(totals, self.rank), **all_reduce_max(maxima, self.rank)}
         grad_norm = self._clip_gradients()
@@ -223,6 +244,8 @@ class Trainer(ForgeActor):
             **totals,
             "grad_norm": grad_norm,
             "tokens": counts["tokens"],
+            # Pad tokens / all tokens the forward passes computed (near 0 with pack_sequences).
+            "padding_fraction": 1.0 - counts["forward_real_tokens"] / max(counts["forward_tokens"], 1.0),
             "train_s": time.perf_counter() - t0,
             # This process's CPU time (rank 0's): the work a rank did, whatever else shares the cores.
             "train_cpu_s": time.process_time() - cpu0,
@@ -259,8 +282,8 @@ class Trainer(ForgeActor):
         return batch
 
     def _loss(self, episodes: list[Episode], batch: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """GRPO loss of one micro-batch (its mean over its sequences); per-token inputs are laid
-        out like the logprobs."""
+        """GRPO loss of one micro-batch, normalised by its own count (``_NORMALISER``); per-token
+        inputs are laid out like the logprobs."""
         cfg = self.config
         mask = batch.response_mask.to(self.device)  # [B, L-1]
         logprobs = padded_token_logprobs(
@@ -270,6 +293,8 @@ class Trainer(ForgeActor):
             cfg.temperature,
             positions=mask,  # logits of response tokens only, in chunks
             chunk_tokens=cfg.logprob_chunk_tokens,
+            pack=cfg.pack_sequences,
+            row_tokens=cfg.pack_row_tokens,
         )  # [B, L-1]
         # Outside the mask, behaviour and reference equal the current logprobs (ratio 1, KL 0), so
         # no pad position can overflow exp() and poison the masked sums with inf * 0.
@@ -289,6 +314,8 @@ class Trainer(ForgeActor):
             beta=cfg.beta,
             dual_clip=cfg.dual_clip,
             tis_cap=cfg.tis_cap,
+            loss_type=cfg.loss_type,
+            max_response_tokens=cfg.max_response_tokens,
         )
 
     @endpoint
@@ -454,6 +481,31 @@ def _token_loss_mask(episodes: list[Episode], response_mask: torch.Tensor) -> to
 def _trained_sequences(batch: PaddedBatch) -> int:
     """Sequences with at least one trained token: what the loss's mean over sequences counts."""
     return int((batch.loss_mask.sum(1) > 0).sum())
+
+
+# The count ``grpo_loss`` normalises a micro-batch's loss by, per ``loss_type``: weighting each
+# micro-batch's loss by its count over the global count makes the sum over micro-batches and
+# ranks the loss of the whole batch, as one rank computing it in one pass would.
+_NORMALISER = {"grpo": "sequences", "dapo": "tokens", "dr_grpo": "rows"}
+
+
+def _counts(batches: list[PaddedBatch]) -> dict[str, float]:
+    """Trained sequences, trained tokens and all rows (trained or not) of ``batches``."""
+    return {
+        "sequences": float(sum(_trained_sequences(b) for b in batches)),
+        "tokens": float(sum(int(b.loss_mask.sum()) for b in batches)),
+        "rows": float(sum(int(b.loss_mask.shape[0]) for b in batches)),
+    }
+
+
+def _forward_tokens(batches: list[PaddedBatch], pack: bool, row_tokens: int) -> dict[str, float]:
+    """Real tokens and all tokens (with padding) the forward passes over ``batches`` compute."""
+    real = computed = 0.0
+    for batch in batches:
+        lengths = [int(n) for n in batch.attention_mask.sum(-1).tolist()]
+        real += sum(lengths)
+        computed += sum(lengths) / (1.0 - forward_padding_fraction(lengths, pack, row_tokens))
+    return {"forward_real_tokens": real, "forward_tokens": computed}
 
 
 def _chunks(items: list[Episode], size: int) -> list[list[Episode]]:

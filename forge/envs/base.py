@@ -24,7 +24,16 @@ from typing import Any
 
 from forge.types import Prompt
 
-__all__ = ["Action", "EnvError", "Environment", "Observation", "StepResult", "check_observation", "check_step"]
+__all__ = [
+    "Action",
+    "EnvError",
+    "Environment",
+    "Observation",
+    "StepResult",
+    "UnknownSession",
+    "check_observation",
+    "check_step",
+]
 
 Observation = str | Sequence[int]
 """Text (tokenised by the env service) or token ids (used as they are)."""
@@ -33,6 +42,13 @@ Observation = str | Sequence[int]
 class EnvError(ValueError):
     """An environment raised, returned a malformed step, or was asked about a session it does
     not hold. Fails that one trajectory; the message names the session and what was wrong."""
+
+
+class UnknownSession(EnvError):
+    """The env replica asked to step a session holds no episode for it. A caller that reset
+    the session there and has not ended it knows what that means: the replica restarted (its
+    episodes died with its process, and the service resent the step to the new one), so the
+    trajectory is to be played again, not blamed on the environment."""
 
 
 @dataclass(frozen=True)

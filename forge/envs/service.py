@@ -23,7 +23,15 @@ from typing import Any
 import torch
 
 from forge.controller import Batching, ForgeActor, endpoint
-from forge.envs.base import Action, EnvError, Environment, check_observation, check_step, load_environment
+from forge.envs.base import (
+    Action,
+    EnvError,
+    Environment,
+    UnknownSession,
+    check_observation,
+    check_step,
+    load_environment,
+)
 from forge.observability import record_metric
 from forge.types import Prompt
 
@@ -137,7 +145,9 @@ class EnvActor(ForgeActor):
         where = f"environment {self.env_spec} session {request.session!r} turn {request.action.turn}"
         env = self.episodes.get(request.session)
         if env is None:
-            return EnvError(f"{where}: no episode for this session here (never reset, ended, or its replica restarted)")
+            return UnknownSession(
+                f"{where}: no episode for this session here (never reset, ended, or its replica restarted)"
+            )
         try:
             result = check_step(await asyncio.wait_for(env.step(request.action), self.step_timeout_s), where)
             ids = self._tokens(result.observation, where)

@@ -17,6 +17,13 @@ bounds: ``dual_clip`` (Ye et al. 2020, verl's ``clip_ratio_c``) caps that token'
 ``dual_clip * |A|``; ``tis_cap`` (truncated importance sampling, as TRL's and verl's vLLM
 correction) weights each token by ``min(exp(trainer - behaviour), tis_cap)``. The loss reports
 ``mismatch_max``/``mismatch_mean`` (``|trainer - behaviour|`` logprob) so drift is visible.
+
+Why a choice of aggregation (``loss_type``): how per-token losses become one number decides how
+much each token weighs. ``grpo`` (DeepSeekMath) averages within each sequence first, so a
+token of a long completion weighs less than one of a short completion; ``dapo`` (Yu et al.
+2025) averages over all the batch's tokens, so every token weighs the same; ``dr_grpo`` (Liu et
+al. 2025, "Understanding R1-Zero-like training") divides the sum by a constant (sequences x the
+generation limit), so no length enters the normaliser at all.
 """
 
 from __future__ import annotations
@@ -30,6 +37,24 @@ from torch import Tensor
 # value, not inf) and the per-token estimate after it.
 KL_LOG_RATIO_BOUND = 20.0
 KL_BOUND = 10.0
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+"""How ``grpo_loss`` aggregates per-token losses (see its docstring)."""
+
+
+def check_loss_type(loss_type: str, max_response_tokens: int | None = None) -> None:
+    """Refuse an unknown ``loss_type``, and ``dr_grpo`` without its constant length.
+
+    Shared by the loss and the trainer's config so that both say the same thing, and the
+    trainer fails when it is configured rather than at its first step.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    if loss_type == "dr_grpo" and not (max_response_tokens is not None and max_response_tokens > 0):
+        raise ValueError(
+            f"loss_type 'dr_grpo' divides by a constant response length: max_response_tokens must be > 0 "
+            f"(the sampler's max_tokens), got {max_response_tokens}"
+        )
 
 
 def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True) -> Tensor:
@@ -126,6 +151,8 @@ def grpo_loss(
     beta: float = 0.04,
     dual_clip: float | None = None,
     tis_cap: float | None = None,
+    loss_type: str = "grpo",
+    max_response_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO loss of a batch of episodes, to minimise, and detached statistics for logging.
 
@@ -136,11 +163,22 @@ def grpo_loss(
         kl     = k3_kl(logprobs, ref_logprobs)
         token  = pg + beta * kl            (no KL term at all when beta == 0)
 
-    Aggregation: the masked per-token mean within each sequence, then the mean over sequences
-    (the original GRPO objective). Every sequence weighs the same whatever its length, so a long
-    rambling completion does not dominate the update; sequences with no valid token are left
-    out of the mean rather than counted as zero. The loss is 0 (with a graph) if no sequence has
-    a valid token.
+    Aggregation of the valid (masked-in) tokens, by ``loss_type``:
+
+    - ``grpo`` (default): the per-token mean within each sequence, then the mean over sequences
+      (the original GRPO objective). Every sequence weighs the same whatever its length, so a
+      long rambling completion does not dominate the update; sequences with no valid token are
+      left out of the mean rather than counted as zero.
+    - ``dapo``: the sum over every valid token of the batch divided by their number (DAPO's
+      token-level loss). Every token weighs the same, so a long completion weighs more than a
+      short one, and a long wrong answer is penalised token by token.
+    - ``dr_grpo``: the sum over every valid token divided by ``B * max_response_tokens``, a
+      constant (Dr. GRPO): no length in the normaliser, so a short correct answer and a long
+      wrong one are not rescaled by their lengths. ``B`` counts every row, trained or not.
+
+    The KL term and the stats ``pg_loss``/``kl_loss`` are aggregated the same way as the policy
+    term, so ``loss == pg_loss + beta * kl_loss`` whatever the ``loss_type``. The loss is 0
+    (with a graph) if no token is valid.
 
     ``clip_eps_high`` (DAPO's "clip higher") lets the ratio rise further than it may fall; it
     defaults to ``clip_eps``. ``beta=0`` drops the reference model from the gradient and the
@@ -166,7 +204,9 @@ def grpo_loss(
     ``clip_fraction`` (share of valid tokens whose gradient the clip zeroed), ``ratio_mean``
     (of ``exp(lp - behaviour)``), ``mismatch_max`` and ``mismatch_mean`` (of ``|lp - behaviour|``
     over valid tokens: the drift between sampler and trainer), ``pg_loss`` and ``kl_loss`` (each
-    term aggregated like the loss). No entropy is computed:
+    term aggregated like the loss, by ``loss_type``). ``kl``, ``clip_fraction``, ``ratio_mean``
+    and ``mismatch_mean`` are token means whatever the ``loss_type``: they describe the tokens,
+    not the objective. No entropy is computed:
     that would need full-vocabulary logits, which the loss never sees.
     """
     if logprobs.dim() != 2:
@@ -187,6 +227,7 @@ def grpo_loss(
         raise ValueError(f"dual_clip must be > 1 (or None to disable it), got {dual_clip}")
     if tis_cap is not None and not tis_cap > 0:
         raise ValueError(f"tis_cap must be > 0 (or None to disable it), got {tis_cap}")
+    check_loss_type(loss_type, max_response_tokens)
 
     valid = mask.bool()  # [B, T]
     mask = valid.to(logprobs.dtype)  # [B, T]
@@ -214,16 +255,8 @@ def grpo_loss(
         pg_per_token = pg_per_token * torch.clamp(behaviour_ratio, max=tis_cap)  # [B, T]
     kl_per_token = k3_kl(logprobs, ref_logprobs)  # [B, T]
 
-    tokens_per_seq = mask.sum(dim=1)  # [B]
-    has_tokens = tokens_per_seq > 0  # [B]
-    num_seqs = has_tokens.sum().clamp(min=1)  # []
-
-    def seq_mean(per_token: Tensor) -> Tensor:
-        per_seq = (per_token * mask).sum(dim=1) / tokens_per_seq.clamp(min=1)  # [B]
-        return (per_seq * has_tokens).sum() / num_seqs  # []
-
-    pg_loss = seq_mean(pg_per_token)
-    kl_loss = seq_mean(kl_per_token)
+    pg_loss = aggregate_tokens(pg_per_token, mask, loss_type, max_response_tokens)
+    kl_loss = aggregate_tokens(kl_per_token, mask, loss_type, max_response_tokens)
     # beta == 0 leaves the KL out of the graph entirely: 0 * (a non-finite KL) would be NaN.
     loss = pg_loss + beta * kl_loss if beta != 0 else pg_loss
 
@@ -242,3 +275,23 @@ def grpo_loss(
             "kl_loss": kl_loss.detach(),
         }
     return loss, stats
+
+
+def aggregate_tokens(per_token: Tensor, mask: Tensor, loss_type: str, max_response_tokens: int | None = None) -> Tensor:
+    """One number from per-token values, as ``grpo_loss``'s ``loss_type`` says (its docstring).
+
+    The policy term and the KL term both go through here, so they can never be normalised
+    differently. ``per_token`` must be finite where ``mask`` is 0 (it is multiplied by the mask).
+
+    per_token: [B, T]; mask: [B, T] float (1 valid, 0 padding) -> []
+    """
+    check_loss_type(loss_type, max_response_tokens)
+    masked_sum = (per_token * mask).sum()  # []
+    if loss_type == "dapo":
+        return masked_sum / mask.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        return masked_sum / (max(per_token.shape[0], 1) * max_response_tokens)
+    tokens_per_seq = mask.sum(dim=1)  # [B]
+    has_tokens = tokens_per_seq > 0  # [B]
+    per_seq = (per_token * mask).sum(dim=1) / tokens_per_seq.clamp(min=1)  # [B]
+    return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1)  # []

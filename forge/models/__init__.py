@@ -2,7 +2,10 @@
 
 from forge.models.logprobs import (
     PaddedBatch,
+    RowPacking,
+    forward_padding_fraction,
     pack_right_padded,
+    pack_rows,
     padded_token_logprobs,
     sequence_logprobs,
 )
@@ -11,8 +14,11 @@ from forge.models.tiny import build_char_tokenizer, make_tiny_model
 __all__ = [
     "PaddedBatch",
     "build_char_tokenizer",
+    "forward_padding_fraction",
     "make_tiny_model",
+    "RowPacking",
     "pack_right_padded",
+    "pack_rows",
     "padded_token_logprobs",
     "sequence_logprobs",
 ]

@@ -10,6 +10,13 @@ trainer must apply the same mask to match).
 Sequences of different lengths are right-padded into one batch. Position ids are computed from
 the attention mask, so each sequence sees positions 0, 1, 2, ... whatever the padding.
 
+With ``pack=True`` the sequences are packed into rows instead (``pack_rows``): first-fit
+decreasing into rows of ``row_tokens`` (by default twice the longest sequence), each sequence
+with its own positions 0, 1, 2, ..., and attention kept inside each sequence (Hugging Face
+builds a block-diagonal causal mask from position ids that restart, when no attention mask is
+given). Sequences share rows, so the forward computes almost no padding. The logprobs are laid out as
+without packing, and equal them to float rounding.
+
 Memory is bounded by tokens, not by the batch: the model's forward pass keeps only one position
 of logits (``logits_to_keep=1``), and the head is applied to the decoder's hidden states of the
 wanted positions (``positions``, e.g. the response tokens) ``chunk_tokens`` rows at a time. So the
@@ -28,7 +35,23 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "PaddedBatch", "pack_right_padded", "padded_token_logprobs", "sequence_logprobs"]
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "PaddedBatch",
+    "RowPacking",
+    "pack_right_padded",
+    "first_fit_rows",
+    "forward_padding_fraction",
+    "pack_rows",
+    "padded_token_logprobs",
+    "sequence_logprobs",
+]
+
+PACK_ROW_FACTOR = 2
+"""A packed row's default length, in longest sequences: rows as long as the longest would leave
+every sequence longer than half of it alone in its row (and as much padding as without packing);
+twice that fills rows, while each token attends over at most twice as many (masked) keys, which
+costs little next to the projections and the MLP at the lengths of RL batches."""
 
 DEFAULT_CHUNK_TOKENS = 512
 """Rows of logits computed at once: 512 x 151,936 x 4 bytes = 311 MB at Qwen3's vocabulary."""
@@ -112,6 +135,87 @@ def pack_right_padded(
     return PaddedBatch(input_ids, attention_mask, response_mask, prompt_lens, response_lens, loss_mask)
 
 
+@dataclass(frozen=True)
+class RowPacking:
+    """Sequences of a right-padded batch packed into rows: sequence ``b`` is at
+    ``input_ids[row[b], offset[b] : offset[b] + length[b]]`` with positions ``0 .. length[b] - 1``."""
+
+    input_ids: torch.Tensor  # int64 [R, C]
+    position_ids: torch.Tensor  # int64 [R, C]
+    row: torch.Tensor  # int64 [B]
+    offset: torch.Tensor  # int64 [B]
+    length: torch.Tensor  # int64 [B]
+
+    @property
+    def padding_fraction(self) -> float:
+        """Pad tokens / all tokens the forward computes."""
+        return 1.0 - float(self.length.sum()) / max(self.input_ids.numel(), 1)
+
+
+def pack_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0, row_tokens: int = 0
+) -> RowPacking:
+    """Pack a right-padded batch's sequences into as few rows of ``row_tokens`` as first-fit
+    decreasing finds (``first_fit_rows``; 0: twice the longest sequence). The end of a row that
+    no sequence fills holds ``pad_id`` tokens whose positions restart at 0, so they are a
+    segment of their own that no real token attends to. Raises ``ValueError`` for a batch that
+    is not right-padded."""
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids and attention_mask must both be [B, L], got {tuple(input_ids.shape)} and "
+            f"{tuple(attention_mask.shape)}"
+        )
+    device = input_ids.device
+    lengths = attention_mask.long().sum(-1)  # [B]
+    columns = torch.arange(attention_mask.shape[1], device=device)
+    if not bool((attention_mask.long() == (columns < lengths[:, None]).long()).all()):
+        raise ValueError("pack_rows needs a right-padded batch (each row's real tokens first, then padding)")
+    sizes = [int(n) for n in lengths.tolist()]
+    row, offset, rows, capacity = first_fit_rows(sizes, row_tokens)
+    ids = torch.full((rows, capacity), pad_id, dtype=torch.long, device=device)
+    positions = torch.zeros((rows, capacity), dtype=torch.long, device=device)
+    used = [0] * rows
+    for b, (r, o, n) in enumerate(zip(row, offset, sizes)):
+        ids[r, o : o + n] = input_ids[b, :n]
+        positions[r, o : o + n] = torch.arange(n, device=device)
+        used[r] = max(used[r], o + n)
+    for r, end in enumerate(used):
+        positions[r, end:] = torch.arange(capacity - end, device=device)
+    row_t, offset_t = (torch.tensor(v, dtype=torch.long, device=device) for v in (row, offset))
+    return RowPacking(ids, positions, row_t, offset_t, lengths)
+
+
+def first_fit_rows(lengths: Sequence[int], row_tokens: int = 0) -> tuple[list[int], list[int], int, int]:
+    """First-fit decreasing of sequence ``lengths`` into rows of ``row_tokens`` (at least the
+    longest sequence; 0: ``PACK_ROW_FACTOR`` times it): each sequence's row and offset, the
+    number of rows and their length."""
+    if isinstance(row_tokens, bool) or not isinstance(row_tokens, int) or row_tokens < 0:
+        raise ValueError(f"row_tokens must be an integer >= 0 (0: {PACK_ROW_FACTOR}x the longest), got {row_tokens!r}")
+    longest = max(max(lengths, default=1), 1)
+    capacity = max(longest, row_tokens or PACK_ROW_FACTOR * longest)
+    room: list[int] = []
+    row, offset = [0] * len(lengths), [0] * len(lengths)
+    for b in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((i for i, left in enumerate(room) if left >= lengths[b]), len(room))
+        if r == len(room):
+            room.append(capacity)
+        row[b], offset[b] = r, capacity - room[r]
+        room[r] -= lengths[b]
+    return row, offset, len(room), capacity
+
+
+def forward_padding_fraction(lengths: Sequence[int], pack: bool = False, row_tokens: int = 0) -> float:
+    """Pad tokens / all tokens a forward over sequences of ``lengths`` computes: right-padded to
+    the longest, or packed into rows (``pack_rows``)."""
+    if not lengths:
+        return 0.0
+    if pack:
+        _, _, rows, capacity = first_fit_rows(lengths, row_tokens)
+    else:
+        rows, capacity = len(lengths), max(lengths)
+    return 1.0 - sum(lengths) / max(rows * capacity, 1)
+
+
 def padded_token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -120,6 +224,8 @@ def padded_token_logprobs(
     *,
     positions: torch.Tensor | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    pack: bool = False,
+    row_tokens: int = 0,
 ) -> torch.Tensor:
     """Logprob of every next token in a padded batch, in float32, with gradient.
 
@@ -127,7 +233,9 @@ def padded_token_logprobs(
     at ``temperature``. Only the columns in ``positions`` (bool ``[B, L - 1]``, e.g.
     ``PaddedBatch.response_mask``; None: all of them) are computed; the others hold 0. Columns
     whose target is padding hold meaningless values: mask them. Logits are computed
-    ``chunk_tokens`` rows at a time (module docstring). Works for left or right padding.
+    ``chunk_tokens`` rows at a time (module docstring). Works for left or right padding;
+    ``pack=True`` (right padding only) runs the forward on the sequences packed into rows of
+    ``row_tokens`` (``pack_rows``) instead of the padded batch, with the same result.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -144,9 +252,16 @@ def padded_token_logprobs(
     elif positions.shape != (batch, max(length - 1, 0)):
         raise ValueError(f"positions must be [B, L - 1] = {(batch, length - 1)}, got {tuple(positions.shape)}")
     positions = positions.to(device=input_ids.device, dtype=torch.bool)
-    hidden = _final_hidden_states(model, input_ids, attention_mask)  # [B, L, H]
+    if pack:
+        packing = pack_rows(input_ids, attention_mask, row_tokens=row_tokens)
+        hidden = _final_hidden_states(model, packing.input_ids, None, packing.position_ids)  # [R, C, H]
+        seq, col = positions.nonzero(as_tuple=True)  # the order of boolean indexing below
+        flat = packing.row[seq] * packing.input_ids.shape[1] + packing.offset[seq] + col
+        rows = hidden.reshape(-1, hidden.shape[-1])[flat]  # [N, H]
+    else:
+        hidden = _final_hidden_states(model, input_ids, attention_mask)  # [B, L, H]
+        rows = hidden[:, :-1][positions]  # [N, H]: only the wanted positions reach the head
     head = model.get_output_embeddings()
-    rows = hidden[:, :-1][positions]  # [N, H]: only the wanted positions reach the head
     targets = input_ids[:, 1:][positions]  # [N]
     pieces = []
     for start in range(0, rows.shape[0], chunk_tokens):
@@ -170,20 +285,26 @@ def _chunk_logprobs(
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def _final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def _final_hidden_states(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The decoder's output (what the head reads), from the model's own forward pass.
 
     The pass goes through ``model(...)``, not ``model.get_decoder()`` directly, so wrappers'
     hooks on the root module (FSDP2's unshard) run as usual; a hook on the decoder catches its
-    output, and ``logits_to_keep=1`` keeps the forward's own logits to one position.
+    output, and ``logits_to_keep=1`` keeps the forward's own logits to one position. Without an
+    attention mask, ``position_ids`` that restart mark packed sequences (``pack_rows``).
     """
     captured: list[torch.Tensor] = []
 
     def keep(_module: torch.nn.Module, _args: object, output: object) -> None:
         captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
 
-    # Positions count real tokens only; pads get 0 (their outputs are masked anyway).
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if position_ids is None:  # positions count real tokens only; pads get 0 (their outputs are masked anyway)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     handle = model.get_decoder().register_forward_hook(keep)
     try:
@@ -203,10 +324,13 @@ def sequence_logprobs(
     temperature: float = 1.0,
     pad_id: int = 0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    pack: bool = False,
+    row_tokens: int = 0,
 ) -> list[torch.Tensor]:
     """Per-token logprobs of each response given its prompt, without gradient.
 
-    One forward pass over the right-padded batch; logits only for response tokens, in chunks.
+    One forward pass over the right-padded batch (or, with ``pack``, over the sequences packed
+    into rows); logits only for response tokens, in chunks.
     Returns one float32 CPU tensor per response, of that response's length, ready to travel in
     an ``Episode`` (e.g. as ``ref_logprobs``).
     """
@@ -219,6 +343,8 @@ def sequence_logprobs(
         temperature,
         positions=batch.response_mask.to(device),
         chunk_tokens=chunk_tokens,
+        pack=pack,
+        row_tokens=row_tokens,
     ).cpu()
     return [
         token_lp[i, n_p - 1 : n_p - 1 + n_r].clone()

@@ -13,15 +13,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_app(tmp_path: Path, *overrides: str, steps: int = 3) -> subprocess.Popen:
-    """The app on ``configs/grpo_tiny.yaml`` with ``steps`` steps of 4 prompts x 4 samples; model,
-    outputs and weight files under ``tmp_path``; ``overrides`` come last, so they win."""
+def start_app(
+    tmp_path: Path, *overrides: str, steps: int = 3, config: str = "configs/grpo_tiny.yaml"
+) -> subprocess.Popen:
+    """The app on ``config`` (the tiny single-turn one by default) with ``steps`` steps of 4
+    prompts x 4 samples; model, outputs and weight files under ``tmp_path``; ``overrides`` come
+    last, so they win."""
     args = [
         sys.executable,
         "-m",
         "apps.grpo.main",
         "--config",
-        "configs/grpo_tiny.yaml",
+        config,
         f"steps={steps}",
         "prompts_per_step=4",
         "group_size=4",

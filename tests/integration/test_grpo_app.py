@@ -44,27 +44,20 @@ def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str, str
     return finish_app(proc, timeout)
 
 
-def test_app_trains_a_few_steps_and_writes_metrics_and_plot(tmp_path: Path) -> None:
-    """A 3-step run exits 0 with metrics.jsonl (required keys, one line a step), the PNG and a summary."""
-    code, out, err = _finish(_app(tmp_path))
-    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(REQUIRED_KEYS <= set(r) for r in rows), rows[0].keys()
-    assert [r["policy_version"] for r in rows] == [1, 2, 3]
-    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
-    assert (tmp_path / "out" / "reward_loss.png").stat().st_size > 0
-    assert "grpo: 3 steps" in out and "reward first-3" in out
-
-
 def test_app_learns_reward_rises_from_an_on_policy_first_step(tmp_path: Path) -> None:
-    """30 steps of 32 prompts on the toy task: the reward of the last 5 steps is well above that
-    of the first 5, and step 1 (policy, trainer and reference all at the initial weights) has an
-    importance ratio of about 1 and a KL of about 0."""
+    """30 steps of 32 prompts on the toy task exit 0 with metrics.jsonl (the required keys, one
+    line a step, one policy version a step), the PNG and the summary line; the reward of the
+    last 5 steps is well above that of the first 5, and step 1 (policy, trainer and reference
+    all at the initial weights) has an importance ratio of about 1 and a KL of about 0."""
     code, out, err = _finish(_app(tmp_path, "steps=30", "prompts_per_step=32", "group_size=8"), timeout=170)
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31))
+    assert all(REQUIRED_KEYS <= set(r) for r in rows), rows[0].keys()
+    assert [r["policy_version"] for r in rows] == list(range(1, 31))
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    assert (tmp_path / "out" / "reward_loss.png").stat().st_size > 0
+    assert "grpo: 30 steps" in out and "reward first-10" in out
     first, last = (sum(r["reward_mean"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
     assert last > first + 0.08, [round(r["reward_mean"], 3) for r in rows]
     # The mean ratio is ~1 in expectation for any pair of policies, so the bound is tight: a
@@ -117,6 +110,7 @@ def _metrics_lines(tmp_path: Path) -> list[str]:
     return (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
 
 
+@pytest.mark.slow  # ~90 s; the trainer's exact resume stays in test_trainer_sharded, the resume errors here
 @pytest.mark.timeout(300)
 def test_killed_run_resumes_from_its_last_checkpoint_with_the_same_step_numbers(tmp_path: Path) -> None:
     """SIGKILL after a checkpoint, then --resume: exit 0, steps 1..N once each, versions continue."""

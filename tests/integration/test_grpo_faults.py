@@ -81,6 +81,31 @@ def test_killed_policy_replica_restarts_resyncs_and_the_run_completes(tmp_path: 
     _accounted(rows[-1], STEPS)
 
 
+def test_multiturn_run_outlives_its_env_and_policy_replicas_dying_mid_trajectory(tmp_path: Path) -> None:
+    """The multi-turn toy run: SIGKILL of the environment's process during step 3 and of the
+    policy's during step 5, while trajectories are between turns. Each role restarts; a policy
+    turn is resent to the restarted policy replica, and a trajectory whose episode died with the
+    env replica is played again with its group (``groups/regenerated``), never counted as the
+    environment's failure. The run completes every step with every group accounted for."""
+    proc = start_app(tmp_path, steps=STEPS, config="configs/multiturn_tiny.yaml")
+    for step, role in ((2, "env"), (4, "policy")):
+        _wait_for_step(proc, tmp_path, step)
+        time.sleep(0.5)  # into the next step: its groups' trajectories are playing their turns
+        (victim,) = role_processes(proc.pid, role)
+        victim.kill()
+    code, out, err = _finish(proc)
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    last = rows[-1]
+    assert last["restarts/env"] == 1 and last["restarts/policy"] == 1, last
+    assert last["retried/env"] + last["groups/regenerated"] >= 1, last  # the env's death cut work short
+    assert not any(r.get("rollout/failed_trajectories") for r in rows), [
+        r.get("rollout/failed_trajectories") for r in rows
+    ]
+    _accounted(last, STEPS)
+
+
 @pytest.mark.slow
 def test_hung_reference_replica_is_found_by_health_probes_and_replaced(tmp_path: Path) -> None:
     """SIGSTOP of the reference process: probes fail it within faults.health_timeout_s, a new

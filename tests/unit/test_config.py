@@ -367,3 +367,74 @@ def test_a_dict_or_list_field_from_an_override_replaces_the_files_value(tmp_path
     cfg = load_config(GRPOConfig, path, [f"{key}={yaml.safe_dump(on_line, default_flow_style=True).strip()}"])
     got = getattr(getattr(cfg, section), leaf)
     assert got == on_line
+
+
+def test_rollout_dynamic_sampling_keys_default_off_and_parse_from_overrides_and_yaml(tmp_path):
+    """Off by default with an unset bound; true/3 from overrides; null from YAML keeps the default bound."""
+    from apps.grpo.config import GRPOConfig
+
+    defaults = load_config(GRPOConfig, None, ["model.path=/m"]).rollout
+    assert defaults.dynamic_sampling is False and defaults.max_dropped_per_step is None
+    cfg = load_config(
+        GRPOConfig, None, ["model.path=/m", "rollout.dynamic_sampling=true", "rollout.max_dropped_per_step=3"]
+    )
+    assert cfg.rollout.dynamic_sampling is True and cfg.rollout.max_dropped_per_step == 3
+    path = _yaml(tmp_path, "model: {path: /m}\nrollout: {dynamic_sampling: true, max_dropped_per_step: null}\n")
+    assert load_config(GRPOConfig, path).rollout.max_dropped_per_step is None
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("rollout.max_dropped_per_step=-1", "rollout.max_dropped_per_step must be >= 0.*got -1"),
+        ("rollout.max_dropped_per_step=many", "rollout.max_dropped_per_step"),
+        ("rollout.dynamic_sampling=maybe", "rollout.dynamic_sampling"),
+    ],
+)
+def test_bad_rollout_dynamic_sampling_values_are_refused_naming_the_key(override, message):
+    from apps.grpo.config import GRPOConfig
+
+    with pytest.raises(ValueError, match=message):
+        load_config(GRPOConfig, None, ["model.path=/m", override])
+
+
+# ---------------------------------------------------------------------------------------------
+# trainer.loss_type
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_each_trainer_loss_type_loads_and_reaches_the_trainers_config(loss_type):
+    """``trainer.loss_type=...`` loads; the trainer gets it and, for dr_grpo's constant length,
+    the policy's generation limit."""
+    from apps.grpo.config import GRPOConfig
+    from apps.grpo.roles import trainer_config
+
+    cfg = load_config(GRPOConfig, None, ["model.path=/m", f"trainer.loss_type={loss_type}", "policy.max_tokens=24"])
+    assert cfg.trainer.loss_type == loss_type
+    trainer = trainer_config(cfg, "/m")
+    assert (trainer.loss_type, trainer.max_response_tokens) == (loss_type, 24)
+
+
+def test_default_loss_type_is_grpo_and_multi_turn_length_is_per_turn_times_turns():
+    """The default keeps today's loss; a multi-turn episode trains up to max_turns x max_tokens
+    of the policy's tokens (the environment's are not trained)."""
+    from apps.grpo.config import GRPOConfig
+
+    assert load_config(GRPOConfig, None, ["model.path=/m"]).trainer.loss_type == "grpo"
+    multi = ["model.path=/m", "policy.max_tokens=10", "env.cls=forge.envs.toy:ReverseWithFeedback", "env.max_turns=3"]
+    assert load_config(GRPOConfig, None, multi).max_response_tokens == 30
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.loss_type=bogus"], r"trainer\.loss_type must be one of grpo, dapo, dr_grpo, got 'bogus'"),
+        (["trainer.loss_type=dr_grpo", "policy.max_tokens=0"], r"dr_grpo divides by policy\.max_tokens.*got 0"),
+    ],
+)
+def test_a_bad_trainer_loss_type_is_refused_at_load(overrides, message):
+    """An unknown loss_type names the value and the three allowed ones; dr_grpo needs a real length."""
+    from apps.grpo.config import GRPOConfig
+
+    with pytest.raises(ValueError, match=message):
+        load_config(GRPOConfig, None, ["model.path=/m", *overrides])

@@ -151,3 +151,62 @@ def test_peak_memory_of_a_training_pass_is_bounded_by_the_chunk_not_the_batch(bi
     assert bound < full_logits  # the bound would catch a computation that materialises the logits
     peak = _peak_increase(big_vocab_dir, tokens, chunk)
     assert peak < bound, f"peak memory grew by {peak / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"
+
+
+# ----------------------------------------------------------------------------- packing
+@pytest.fixture(scope="module")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "small", hidden_size=64, num_layers=2, init_std=0.3)
+
+
+def _ragged_batch():
+    """One long pair and six short ones: the short ones share rows once packed."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, 60, (n,), generator=gen) for n in (2, 3, 1, 4, 2, 9, 2)]
+    responses = [torch.randint(4, 60, (n,), generator=gen) for n in (3, 2, 4, 1, 5, 11, 2)]
+    return pack_right_padded(prompts, responses)
+
+
+def test_pack_rows_puts_short_sequences_in_shared_rows_each_with_its_own_positions() -> None:
+    from forge.models import forward_padding_fraction, pack_rows
+
+    batch = _ragged_batch()
+    packing = pack_rows(batch.input_ids, batch.attention_mask)
+    lengths = batch.attention_mask.sum(-1).tolist()
+    assert packing.input_ids.shape == (2, 40) and batch.input_ids.shape == (7, 20)  # rows of twice the longest
+    for b, n in enumerate(lengths):
+        r, o = int(packing.row[b]), int(packing.offset[b])
+        assert torch.equal(packing.input_ids[r, o : o + n], batch.input_ids[b, :n])
+        assert packing.position_ids[r, o : o + n].tolist() == list(range(n))
+    # No two sequences overlap: the rows hold exactly the real tokens, plus their tail padding.
+    assert int(packing.length.sum()) == sum(lengths)
+    assert packing.padding_fraction == pytest.approx(1 - sum(lengths) / 80)
+    assert packing.padding_fraction == pytest.approx(forward_padding_fraction(lengths, pack=True))
+    assert forward_padding_fraction(lengths) == pytest.approx(1 - sum(lengths) / 140)
+
+
+def test_pack_rows_refuses_a_left_padded_batch() -> None:
+    from forge.models import pack_rows
+
+    batch = _ragged_batch()
+    with pytest.raises(ValueError, match="right-padded"):
+        pack_rows(batch.input_ids.flip(-1), batch.attention_mask.flip(-1))
+
+
+def test_packed_logprobs_and_gradients_equal_the_padded_ones(small_model_dir: Path) -> None:
+    """Attention stays inside each packed sequence: the same logprobs and the same gradients as
+    the padded batch (a leak between row-mates would change both)."""
+    model = AutoModelForCausalLM.from_pretrained(small_model_dir, dtype=torch.float32)
+    batch = _ragged_batch()
+    results = []
+    for pack in (False, True):
+        model.zero_grad()
+        lp = padded_token_logprobs(
+            model, batch.input_ids, batch.attention_mask, 0.7, positions=batch.response_mask, pack=pack
+        )
+        (lp * batch.response_mask).sum().backward()
+        results.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
+    (padded, padded_grads), (packed, packed_grads) = results
+    assert torch.allclose(packed, padded, atol=1e-5) and padded.abs().sum() > 0
+    for a, b in zip(packed_grads, padded_grads):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -280,6 +280,119 @@ def test_grpo_loss_rejects_mismatched_shapes_naming_the_argument(bad):
 
 
 # ---------------------------------------------------------------------------------------------
+# loss_type: how per-token losses become one number
+
+# _hand_batch's per-token terms (clip_eps 0.2), written out in test_grpo_loss_matches_hand_computation_on_2x3_batch:
+# row 0 (3 valid tokens) and row 1 (2 valid tokens, one masked).
+_HAND_PG = [[-1.0, -1.2, -1.0], [2.0, 1.6]]
+_HAND_KL = [[0.0, 0.0, math.exp(-0.5) + 0.5 - 1], [0.0, math.exp(0.5) - 0.5 - 1]]
+
+
+def _hand_loss(loss_type: str, **kwargs):
+    lp, behaviour, ref, adv, mask = _hand_batch()
+    return grpo_loss(lp, behaviour, ref, adv, mask, clip_eps=0.2, beta=0.04, loss_type=loss_type, **kwargs)
+
+
+def test_dapo_is_the_mean_over_every_valid_token_of_the_batch():
+    """dapo: (sum of the 5 valid tokens' terms) / 5, for the policy term, the KL term and the loss."""
+    pg = sum(sum(row) for row in _HAND_PG) / 5  # (-3.2 + 3.6) / 5
+    kl = sum(sum(row) for row in _HAND_KL) / 5
+    loss, stats = _hand_loss("dapo")
+    assert stats["pg_loss"].item() == pytest.approx(pg, abs=1e-6)
+    assert stats["kl_loss"].item() == pytest.approx(kl, abs=1e-6)
+    assert loss.item() == pytest.approx(pg + 0.04 * kl, abs=1e-6)
+
+
+def test_dr_grpo_is_the_token_sum_over_sequences_times_a_constant_length():
+    """dr_grpo with max_response_tokens 4: (sum of the valid tokens' terms) / (2 sequences x 4)."""
+    pg = sum(sum(row) for row in _HAND_PG) / (2 * 4)
+    kl = sum(sum(row) for row in _HAND_KL) / (2 * 4)
+    loss, stats = _hand_loss("dr_grpo", max_response_tokens=4)
+    assert stats["pg_loss"].item() == pytest.approx(pg, abs=1e-6)
+    assert stats["kl_loss"].item() == pytest.approx(kl, abs=1e-6)
+    assert loss.item() == pytest.approx(pg + 0.04 * kl, abs=1e-6)
+
+
+def test_grpo_loss_type_is_the_default_seq_mean_of_token_means():
+    """loss_type='grpo' is today's loss bit for bit: the mean of the row means."""
+    pg = sum(sum(row) / len(row) for row in _HAND_PG) / 2
+    default, default_stats = _hand_loss("grpo")
+    lp, behaviour, ref, adv, mask = _hand_batch()
+    implicit, implicit_stats = grpo_loss(lp, behaviour, ref, adv, mask, clip_eps=0.2, beta=0.04)
+    assert default_stats["pg_loss"].item() == pytest.approx(pg, abs=1e-6)
+    assert torch.equal(default, implicit)
+    assert all(torch.equal(default_stats[k], implicit_stats[k]) for k in implicit_stats)
+
+
+def test_the_three_loss_types_differ_on_a_ragged_batch_and_share_the_token_stats():
+    """Rows of 3 and 2 valid tokens: three different losses; kl, clip_fraction and the ratio
+    stats describe the tokens, so they do not depend on the loss_type."""
+    losses = {t: _hand_loss(t, max_response_tokens=4) for t in ("grpo", "dapo", "dr_grpo")}
+    values = [loss.item() for loss, _ in losses.values()]
+    assert all(abs(a - b) > 1e-3 for i, a in enumerate(values) for b in values[i + 1 :]), values
+    token_stats = ("kl", "clip_fraction", "ratio_mean", "mismatch_mean", "mismatch_max")
+    for name in token_stats:
+        assert len({stats[name].item() for _, stats in losses.values()}) == 1, name
+
+
+@pytest.mark.parametrize(
+    "loss_type, expected",
+    [
+        # d loss / d lp of a valid on-policy token is -A times that token's weight.
+        ("grpo", [[1 / 2, 0, 0, 0], [1 / 8, 1 / 8, 1 / 8, 1 / 8]]),  # 1 / (sequences x its length)
+        ("dapo", [[1 / 5, 0, 0, 0], [1 / 5, 1 / 5, 1 / 5, 1 / 5]]),  # 1 / all tokens
+        ("dr_grpo", [[1 / 12, 0, 0, 0], [1 / 12, 1 / 12, 1 / 12, 1 / 12]]),  # 1 / (2 sequences x 6)
+    ],
+)
+def test_each_loss_type_weighs_a_token_as_its_normaliser_says(loss_type, expected):
+    """A 1-token and a 4-token sequence, A = -1, on-policy: grpo gives the short one's token 4x
+    the weight of each long one's; dapo and dr_grpo weigh every token the same."""
+    lp = torch.zeros(2, 4, requires_grad=True)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
+    loss, _ = grpo_loss(
+        lp,
+        lp.detach(),
+        lp.detach(),
+        torch.tensor([-1.0, -1.0]),
+        mask,
+        beta=0.0,
+        loss_type=loss_type,
+        max_response_tokens=6,
+    )
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor(expected))
+
+
+def test_dr_grpo_counts_every_row_and_dapo_an_all_masked_batch_is_zero():
+    """dr_grpo's normaliser is a constant: a fully masked row still counts in B; with no valid
+    token, dapo's and dr_grpo's loss is 0 (not NaN)."""
+    lp = torch.zeros(2, 2)
+    adv = torch.tensor([2.0, 5.0])
+    half, _ = grpo_loss(
+        lp, lp, lp, adv, torch.tensor([[1, 1], [0, 0]]), beta=0.0, loss_type="dr_grpo", max_response_tokens=2
+    )
+    assert half.item() == pytest.approx(-2.0 * 2 / (2 * 2))
+    for loss_type in ("dapo", "dr_grpo"):
+        empty, _ = grpo_loss(lp, lp, lp, adv, torch.zeros(2, 2), beta=0.0, loss_type=loss_type, max_response_tokens=2)
+        assert empty.item() == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"loss_type": "bogus"}, r"loss_type must be one of grpo, dapo, dr_grpo, got 'bogus'"),
+        ({"loss_type": "DAPO"}, r"got 'DAPO'"),
+        ({"loss_type": "dr_grpo"}, r"max_response_tokens must be > 0 .*got None"),
+        ({"loss_type": "dr_grpo", "max_response_tokens": 0}, r"max_response_tokens must be > 0 .*got 0"),
+    ],
+)
+def test_grpo_loss_rejects_an_unknown_loss_type_and_dr_grpo_without_a_length(kwargs, message):
+    """A ValueError naming the bad value and the three allowed ones (or dr_grpo's missing length)."""
+    with pytest.raises(ValueError, match=message):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
 # mismatch corrections and the logged mismatch
 
 

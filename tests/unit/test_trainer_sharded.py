@@ -182,9 +182,11 @@ async def test_a_two_rank_trainer_resumed_from_its_checkpoint_continues_exactly(
 
 
 async def test_a_two_rank_reference_replica_scores_like_one_rank_and_holds_half_the_model(model_dir: Path):
-    """A reference service whose replica is 2 FSDP2 ranks gives the per-token logprobs of a
-    one-rank reference (5 pairs: the ranks' shares are unequal) and its rank 0 holds about half
-    of the weights."""
+    """A reference service whose replica is 2 FSDP2 ranks, packing its sequences into rows,
+    gives the per-token logprobs of a one-rank reference that pads them (5 pairs: the ranks'
+    shares are unequal) and its rank 0 holds about half of the weights."""
+    import dataclasses
+
     from monarch.actor import this_proc
 
     from forge.actors.reference_model import ReferenceConfig, ReferenceModel
@@ -193,7 +195,8 @@ async def test_a_two_rank_reference_replica_scores_like_one_rank_and_holds_half_
     batch = _batch(model_dir, n=5).unpack()
     pairs = [(e.prompt_ids, e.response_ids) for e in batch]
     one = this_proc().spawn("reference_one", ReferenceModel, config)
-    svc = await ReferenceModel.options(procs=2, name="ref2", env={"OMP_NUM_THREADS": "1"}).as_service(config)
+    packed = dataclasses.replace(config, pack_sequences=True)
+    svc = await ReferenceModel.options(procs=2, name="ref2", env={"OMP_NUM_THREADS": "1"}).as_service(packed)
     try:
         await one.setup.call_one()
         flat, lengths = await one.logprobs.call_one(pairs)
@@ -233,3 +236,156 @@ def test_trainer_procs_that_do_not_divide_the_batch_are_a_config_error():
         load_config(GRPOConfig, None, ["model.path=x", "trainer.procs=3", "prompts_per_step=4", "group_size=2"])
     cfg = load_config(GRPOConfig, None, ["model.path=x", "trainer.procs=4", "prompts_per_step=4", "group_size=2"])
     assert cfg.trainer.procs == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# loss_type: the step is the whole batch's loss, however the batch is split
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+_MAX_RESPONSE_TOKENS = 6  # _batch's responses have 1..5 tokens
+
+
+def _ragged_episodes(model_dir: Path) -> list[Episode]:
+    """_batch's 8 episodes of 1..5 response tokens, with a reference that differs from the
+    policy (a non-zero KL term) and one episode cut at the length limit, which
+    ``mask_truncated`` leaves untrained: a row that dr_grpo counts and grpo does not."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(7)
+    episodes = _batch(model_dir).unpack()
+    episodes = [
+        dataclasses.replace(e, ref_logprobs=e.ref_logprobs + 0.3 * torch.randn(e.ref_logprobs.shape, generator=gen))
+        for e in episodes
+    ]
+    episodes[5] = dataclasses.replace(episodes[5], finish_reason="length")
+    return episodes
+
+
+def _whole_batch_loss(model_dir: Path, episodes: list[Episode], loss_type: str) -> float:
+    """``grpo_loss`` of the whole batch in one call at the initial weights: what every split of
+    the step must report (the trainer's defaults: clip_eps 0.2, beta 0.04)."""
+    from transformers import AutoModelForCausalLM
+
+    from forge.losses import grpo_loss
+    from forge.models import sequence_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lps = sequence_logprobs(model, [e.prompt_ids for e in episodes], [e.response_ids for e in episodes], 0.7)
+    width = max(len(lp) for lp in lps)
+
+    def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])
+
+    trained = [torch.full((len(e.response_ids),), e.finish_reason != "length") for e in episodes]
+    loss, _ = grpo_loss(
+        padded(lps),
+        padded([e.behaviour_logprobs for e in episodes]),
+        padded([e.ref_logprobs for e in episodes]),
+        torch.tensor([e.advantage for e in episodes]),
+        padded(trained),
+        loss_type=loss_type,
+        max_response_tokens=_MAX_RESPONSE_TOKENS,
+    )
+    return float(loss)
+
+
+def _loss_type_config(model_dir: Path, loss_type: str, **overrides):
+    return _config(
+        model_dir, loss_type=loss_type, max_response_tokens=_MAX_RESPONSE_TOKENS, mask_truncated=True, **overrides
+    )
+
+
+_STEP_STATS = ("loss", "pg_loss", "kl_loss", "kl", "grad_norm", "tokens")
+# AdamW's first step moves each weight by about lr * g / (|g| + 1e-8): an element whose gradient
+# is float noise (a k_proj bias's is exactly 0 in exact arithmetic) moves by a noise-dependent
+# share of lr (1e-2) however the batch was split, up to ~3e-4 here. A wrong split moves elements
+# by ~2 * lr the other way. The gradient itself is checked tightly through grad_norm and the loss.
+_WEIGHT_TOLERANCE = 1e-3
+
+
+def _assert_same_step(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
+    """Two trainers' (step statistics, updated weights) agree."""
+    for name in _STEP_STATS:
+        assert got[0][name] == pytest.approx(want[0][name], rel=1e-5, abs=1e-7), name
+    assert _max_diff(got[1], want[1]) <= _WEIGHT_TOLERANCE
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+async def test_each_loss_type_takes_the_same_step_for_any_micro_batch_size(model_dir: Path, loss_type: str):
+    """One pass, micro-batches of 3 (3 + 3 + 2) and of 1 on a ragged batch with an untrained row:
+    the same loss (the pure function's on the whole batch), statistics and updated weights."""
+    from forge.distributed import call_spmd
+
+    episodes = _ragged_episodes(model_dir)
+    want = _whole_batch_loss(model_dir, episodes, loss_type)
+    trainers = []
+    try:
+        for size in (0, 3, 1):  # one after another: from_pretrained in one process is not safe to overlap
+            trainers.append(await _start_in_process(_loss_type_config(model_dir, loss_type, micro_batch_size=size)))
+        steps = [await call_spmd(t.train_step, EpisodeBatch.pack(episodes)) for t in trainers]
+        weights = [(await call_spmd(t.weights))[0] for t in trainers]
+        assert steps[0]["loss"] == pytest.approx(want, rel=1e-5, abs=1e-7)
+        for got in zip(steps[1:], weights[1:]):
+            _assert_same_step(got, (steps[0], weights[0]))
+    finally:
+        await _stop(*trainers)
+
+
+async def test_the_loss_types_give_different_steps_on_a_ragged_batch(model_dir: Path):
+    """Not one loss in three names: on the same batch the three report three different losses."""
+    episodes = _ragged_episodes(model_dir)
+    losses = [_whole_batch_loss(model_dir, episodes, t) for t in LOSS_TYPES]
+    assert all(abs(a - b) > 1e-4 for i, a in enumerate(losses) for b in losses[i + 1 :]), losses
+
+
+# ~35 s a case (two processes to start): dapo, whose ranks hold different token counts, by
+# default; grpo's two-rank step is also the first test's.
+@pytest.mark.parametrize(
+    "loss_type", [pytest.param(t, marks=[] if t == "dapo" else [pytest.mark.slow]) for t in LOSS_TYPES]
+)
+async def test_each_loss_type_takes_the_same_step_on_two_ranks_as_on_one(model_dir: Path, loss_type: str):
+    """procs=2 with micro-batches of 3 (3 + 1 on each rank; the ranks hold different token
+    counts) and procs=1 in one pass: the same loss, statistics and updated weights."""
+    from forge.distributed import call_spmd
+
+    episodes = _ragged_episodes(model_dir)
+    one = two = None
+    try:
+        one, two = await asyncio.gather(
+            _start_in_process(_loss_type_config(model_dir, loss_type)),
+            _start(2, _loss_type_config(model_dir, loss_type, micro_batch_size=3)),
+        )
+        batch = EpisodeBatch.pack(episodes)
+        s1, s2 = await asyncio.gather(call_spmd(one.train_step, batch), call_spmd(two.train_step, batch))
+        (w1, _), (w2, _) = await asyncio.gather(call_spmd(one.weights), call_spmd(two.weights))
+        _assert_same_step((s2, w2), (s1, w1))
+    finally:
+        await _stop(one, two)
+
+
+def test_trainer_config_refuses_an_unknown_loss_type_and_dr_grpo_without_a_length(model_dir: Path):
+    """At construction, before any process starts: the bad value and the three allowed ones."""
+    with pytest.raises(ValueError, match=r"loss_type must be one of grpo, dapo, dr_grpo, got 'bogus'"):
+        _config(model_dir, loss_type="bogus")
+    with pytest.raises(ValueError, match=r"max_response_tokens must be > 0 .*got 0"):
+        _config(model_dir, loss_type="dr_grpo")
+    assert _config(model_dir, loss_type="dr_grpo", max_response_tokens=8).max_response_tokens == 8
+
+
+async def test_packed_sequences_take_the_same_step_with_less_padding(model_dir: Path):
+    """``pack_sequences``: the same loss, statistics and updated weights as right-padding, and
+    the logged padding fraction falls (the 8 episodes share rows of 64 tokens)."""
+    from forge.distributed import call_spmd
+
+    episodes = _ragged_episodes(model_dir)
+    trainers = []
+    try:
+        for pack in (False, True):
+            config = _loss_type_config(model_dir, "grpo", pack_sequences=pack, pack_row_tokens=64)
+            trainers.append(await _start_in_process(config))
+        steps = [await call_spmd(t.train_step, EpisodeBatch.pack(episodes)) for t in trainers]
+        weights = [(await call_spmd(t.weights))[0] for t in trainers]
+        _assert_same_step((steps[1], weights[1]), (steps[0], weights[0]))
+        assert steps[1]["padding_fraction"] < steps[0]["padding_fraction"], [s["padding_fraction"] for s in steps]
+    finally:
+        await _stop(*trainers)
