@@ -254,10 +254,7 @@ class Policy(ForgeActor):
     @staticmethod
     def unpack_groups(packed: PackedGroups, n: int) -> list[Group]:
         """``generate``'s debatch: the packed batch -> one ``Group`` per caller."""
-        groups = packed.unpack()
-        if len(groups) != n:
-            raise ValueError(f"Policy.generate returned {len(groups)} groups for {n} prompts")
-        return groups
+        return _unpacked(packed, n, "Policy.generate", "groups", "prompts")
 
     @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_groups"))
     async def generate(self, prompts: list[Prompt]) -> PackedGroups:
@@ -268,39 +265,17 @@ class Policy(ForgeActor):
         own ``Group``. Called directly on an actor, use ``.unpack()``.
         """
         cfg = self.config
-        t0 = time.perf_counter()
-        outputs = await _settle(
-            self.engine.generate(
-                [p.text for p in prompts],
-                n=cfg.group_size,
-                temperature=cfg.temperature,
-                max_tokens=cfg.max_tokens,
-                top_p=cfg.top_p,
-                stop=cfg.stop,
-                stop_token_ids=list(cfg.stop_token_ids),
-            )
-        )
-        seconds = time.perf_counter() - t0
-        tokens = sum(int(c.token_ids.numel()) for group in outputs for c in group)
+        outputs = await self._sample([p.text for p in prompts], cfg.group_size, "policy/batch_prompts")
         finished = [c.finish_reason for group in outputs for c in group]
         # Cut at max_tokens: scored and (unless trainer.mask_truncated) trained as if finished.
         record_metric("policy/truncated_fraction", finished.count("length") / max(len(finished), 1))
-        self.stats["generate_s"] += seconds
-        self.stats["batches"] += 1
-        self.stats["prompts"] += len(prompts)
-        self.stats["tokens"] += tokens
-        record_metric("policy/batch_prompts", len(prompts))
-        record_metric("policy/generate_s", seconds, "sum")
-        record_metric("policy/tokens", tokens, "sum")
+        record_metric("policy/tokens", sum(int(c.token_ids.numel()) for group in outputs for c in group), "sum")
         return PackedGroups.pack(prompts, outputs, cfg.group_size, self.engine.version)
 
     @staticmethod
     def unpack_turns(packed: PackedTurns, n: int) -> list[TurnResult]:
         """``generate_turn``'s debatch: the packed batch -> one ``TurnResult`` per caller."""
-        turns = packed.unpack()
-        if len(turns) != n:
-            raise ValueError(f"Policy.generate_turn returned {len(turns)} turns for {n} requests")
-        return turns
+        return _unpacked(packed, n, "Policy.generate_turn", "turns", "requests")
 
     @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_turns"))
     async def generate_turn(self, requests: list[TurnRequest]) -> PackedTurns:
@@ -309,28 +284,7 @@ class Policy(ForgeActor):
         The history goes to vLLM as token ids, so nothing is re-tokenised; with prefix caching
         the part of it that this replica computed on an earlier turn is not computed again.
         """
-        cfg = self.config
-        t0 = time.perf_counter()
-        outputs = await _settle(
-            self.engine.generate(
-                [r.history_ids for r in requests],
-                n=1,
-                temperature=cfg.temperature,
-                max_tokens=cfg.max_tokens,
-                top_p=cfg.top_p,
-                stop=cfg.stop,
-                stop_token_ids=list(cfg.stop_token_ids),
-            )
-        )
-        samples = [group[0] for group in outputs]
-        seconds = time.perf_counter() - t0
-        tokens = sum(int(c.token_ids.numel()) for c in samples)
-        self.stats["generate_s"] += seconds
-        self.stats["batches"] += 1
-        self.stats["prompts"] += len(requests)
-        self.stats["tokens"] += tokens
-        record_metric("policy/turn_batch", len(requests))
-        record_metric("policy/generate_s", seconds, "sum")
+        samples = [group[0] for group in await self._sample([r.history_ids for r in requests], 1, "policy/turn_batch")]
         return PackedTurns(
             lens=[int(c.token_ids.numel()) for c in samples],
             token_ids=torch.cat([c.token_ids for c in samples]),
@@ -339,6 +293,31 @@ class Policy(ForgeActor):
             finish_reasons=[c.finish_reason for c in samples],
             policy_version=self.engine.version,
         )
+
+    async def _sample(self, inputs: list[Any], n: int, batch_metric: str) -> list[list[Completion]]:
+        """``n`` samples of each input (text or token ids) at the configured sampling settings,
+        counted in ``stats`` and the batch-size metric ``batch_metric``."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        outputs = await _settle(
+            self.engine.generate(
+                inputs,
+                n=n,
+                temperature=cfg.temperature,
+                max_tokens=cfg.max_tokens,
+                top_p=cfg.top_p,
+                stop=cfg.stop,
+                stop_token_ids=list(cfg.stop_token_ids),
+            )
+        )
+        seconds = time.perf_counter() - t0
+        self.stats["generate_s"] += seconds
+        self.stats["batches"] += 1
+        self.stats["prompts"] += len(inputs)
+        self.stats["tokens"] += sum(int(c.token_ids.numel()) for group in outputs for c in group)
+        record_metric(batch_metric, len(inputs))
+        record_metric("policy/generate_s", seconds, "sum")
+        return outputs
 
     @endpoint
     async def prefix_cache_stats(self) -> dict[str, float]:
@@ -396,6 +375,14 @@ class Policy(ForgeActor):
     async def engine_stats(self) -> dict[str, float]:
         """Counters: batches, prompts, tokens generated, seconds in generate and in updates."""
         return dict(self.stats)
+
+
+def _unpacked(packed: Any, n: int, endpoint_name: str, items: str, callers: str) -> list[Any]:
+    """A batched endpoint's debatch: the packed result -> one item per caller, checked."""
+    out = packed.unpack()
+    if len(out) != n:
+        raise ValueError(f"{endpoint_name} returned {len(out)} {items} for {n} {callers}")
+    return out
 
 
 async def _settle(result: Any) -> Any:
