@@ -36,18 +36,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from apps.grpo.cli import app_command  # noqa: E402
 from apps.grpo.faults import role_processes  # noqa: E402
 
 TARGET_ROLES = ("policy", "reference", "reward")
 
 
-def app_command(out: Path, steps: int, prompts_per_step: int, seed: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "apps.grpo.main",
-        "--config",
+def chaos_command(out: Path, steps: int, prompts_per_step: int, seed: int) -> list[str]:
+    """The tiny run with 2 policy and 2 reference replicas and quick health probes."""
+    return app_command(
         "configs/grpo_tiny.yaml",
+        out,
         f"steps={steps}",
         f"prompts_per_step={prompts_per_step}",
         f"seed={seed}",
@@ -56,12 +55,8 @@ def app_command(out: Path, steps: int, prompts_per_step: int, seed: int) -> list
         "faults.health_interval_s=1",
         "faults.health_timeout_s=10",
         "faults.restart_backoff_s=0.5",
-        f"model.path={out / 'tiny'}",
-        f"logging.output_dir={out / 'out'}",
-        "logging.progress_bar=false",
         "logging.plot=false",
-        f"weight_sync.dir={out / 'weights'}",
-    ]
+    )
 
 
 def read_rows(out: Path) -> list[dict]:
@@ -72,7 +67,7 @@ def read_rows(out: Path) -> list[dict]:
 def run_app(out: Path, args: argparse.Namespace, chaos: bool) -> dict:
     """One app run; with ``chaos``, disrupt a random non-trainer role every ``kill_every`` steps."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = app_command(out, args.steps, args.prompts_per_step, args.seed)
+    cmd = chaos_command(out, args.steps, args.prompts_per_step, args.seed)
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rng = random.Random(args.seed)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from apps.grpo.cli import app_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,21 +20,7 @@ def start_app(
     """The app on ``config`` (the tiny single-turn one by default) with ``steps`` steps of 4
     prompts x 4 samples; model, outputs and weight files under ``tmp_path``; ``overrides`` come
     last, so they win."""
-    args = [
-        sys.executable,
-        "-m",
-        "apps.grpo.main",
-        "--config",
-        config,
-        f"steps={steps}",
-        "prompts_per_step=4",
-        "group_size=4",
-        f"model.path={tmp_path / 'tiny'}",
-        f"logging.output_dir={tmp_path / 'out'}",
-        "logging.progress_bar=false",
-        f"weight_sync.dir={tmp_path / 'weights'}",
-        *overrides,
-    ]
+    args = app_command(config, tmp_path, f"steps={steps}", "prompts_per_step=4", "group_size=4", *overrides)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from apps.grpo.cli import app_command  # noqa: E402
 from apps.grpo.multiturn import MultiTurnRollouts  # noqa: E402
 from apps.grpo.roles import Roles  # noqa: E402
 from forge.actors.policy import Policy, PolicyConfig  # noqa: E402
@@ -142,17 +142,7 @@ def test_multiturn_app_runs_and_learns(tmp_path: Path) -> None:
     """``python -m apps.grpo.main --config configs/multiturn_tiny.yaml``: metrics.jsonl with
     reward_mean per step, and the last 10 steps' mean reward at least 2x the first 10's."""
     out = tmp_path / "out"
-    args = [
-        sys.executable,
-        "-m",
-        "apps.grpo.main",
-        "--config",
-        "configs/multiturn_tiny.yaml",
-        f"model.path={tmp_path / 'tiny'}",
-        f"logging.output_dir={out}",
-        "logging.progress_bar=false",
-        f"weight_sync.dir={tmp_path / 'weights'}",
-    ]
+    args = app_command("configs/multiturn_tiny.yaml", tmp_path)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
