@@ -49,11 +49,11 @@ class RolloutCounts:
 
 
 def rewards_uniform(group: EpisodeBatch) -> bool:
-    """Whether every episode of ``group`` has the same reward. Such a group's advantages are
-    all exactly zero (``forge.losses.group_advantages``), so its policy-gradient term is zero:
-    it costs trainer compute and dilutes the batch but teaches nothing."""
-    rewards = group.rewards
-    return bool((rewards == rewards[0]).all())
+    """Whether every episode of ``group`` has the same reward (``forge.losses.rewards_uniform``):
+    such a group costs trainer compute and dilutes the batch but teaches nothing."""
+    from forge.losses import rewards_uniform as uniform
+
+    return uniform(group.rewards)
 
 
 class DynamicSampling:

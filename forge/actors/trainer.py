@@ -57,7 +57,7 @@ from forge.distributed import (
 )
 from forge.losses import grpo_loss, trainable_lengths
 from forge.losses.grpo import check_loss_type
-from forge.models import PaddedBatch, forward_padding_fraction, pack_right_padded, padded_token_logprobs
+from forge.models import PaddedBatch, forward_tokens, pack_right_padded, padded_token_logprobs
 from forge.types import Episode, EpisodeBatch
 
 __all__ = ["Trainer", "TrainerConfig", "TrainerSettings"]
@@ -504,7 +504,7 @@ def _forward_tokens(batches: list[PaddedBatch], pack: bool, row_tokens: int) -> 
     for batch in batches:
         lengths = [int(n) for n in batch.attention_mask.sum(-1).tolist()]
         real += sum(lengths)
-        computed += sum(lengths) / (1.0 - forward_padding_fraction(lengths, pack, row_tokens))
+        computed += forward_tokens(lengths, pack, row_tokens)
     return {"forward_real_tokens": real, "forward_tokens": computed}
 
 

@@ -1,5 +1,5 @@
 """Pure tensor losses for RL post-training (no actors, no optimizers, no config)."""
 
-from forge.losses.grpo import group_advantages, grpo_loss, k3_kl, trainable_lengths
+from forge.losses.grpo import group_advantages, grpo_loss, k3_kl, rewards_uniform, trainable_lengths
 
-__all__ = ["group_advantages", "grpo_loss", "k3_kl", "trainable_lengths"]
+__all__ = ["group_advantages", "grpo_loss", "k3_kl", "rewards_uniform", "trainable_lengths"]

@@ -57,6 +57,12 @@ def check_loss_type(loss_type: str, max_response_tokens: int | None = None) -> N
         )
 
 
+def rewards_uniform(rewards: Tensor) -> bool:
+    """Whether one group's rewards are all exactly equal: then every advantage is exactly 0
+    (``group_advantages``) and the group teaches nothing (what dynamic sampling drops)."""
+    return bool((rewards == rewards[0]).all())
+
+
 def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True) -> Tensor:
     """Advantages of one group's completions: reward minus the group mean, over the group std.
 
@@ -75,7 +81,7 @@ def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True) -> 
     if rewards.dim() != 1 or rewards.numel() == 0:
         raise ValueError(f"rewards must be a non-empty 1-D tensor [G] of one group, got shape {tuple(rewards.shape)}")
     rewards = rewards.double()
-    if bool((rewards == rewards[0]).all()):
+    if rewards_uniform(rewards):
         return torch.zeros(rewards.shape, dtype=torch.float32, device=rewards.device)  # nothing to prefer
     centred = rewards - rewards.mean()  # [G]
     if scale:

@@ -42,6 +42,7 @@ __all__ = [
     "pack_right_padded",
     "first_fit_rows",
     "forward_padding_fraction",
+    "forward_tokens",
     "pack_rows",
     "padded_token_logprobs",
     "sequence_logprobs",
@@ -204,16 +205,20 @@ def first_fit_rows(lengths: Sequence[int], row_tokens: int = 0) -> tuple[list[in
     return row, offset, len(room), capacity
 
 
-def forward_padding_fraction(lengths: Sequence[int], pack: bool = False, row_tokens: int = 0) -> float:
-    """Pad tokens / all tokens a forward over sequences of ``lengths`` computes: right-padded to
-    the longest, or packed into rows (``pack_rows``)."""
+def forward_tokens(lengths: Sequence[int], pack: bool = False, row_tokens: int = 0) -> int:
+    """Tokens, padding included, that a forward over sequences of ``lengths`` computes:
+    right-padded to the longest, or packed into rows (``pack_rows``)."""
     if not lengths:
-        return 0.0
+        return 0
     if pack:
         _, _, rows, capacity = first_fit_rows(lengths, row_tokens)
-    else:
-        rows, capacity = len(lengths), max(lengths)
-    return 1.0 - sum(lengths) / max(rows * capacity, 1)
+        return rows * capacity
+    return len(lengths) * max(lengths)
+
+
+def forward_padding_fraction(lengths: Sequence[int], pack: bool = False, row_tokens: int = 0) -> float:
+    """Pad tokens / all tokens a forward over sequences of ``lengths`` computes (``forward_tokens``)."""
+    return 1.0 - sum(lengths) / max(forward_tokens(lengths, pack, row_tokens), 1)
 
 
 def padded_token_logprobs(

@@ -54,6 +54,14 @@ def _wait_for_step(proc: subprocess.Popen, tmp_path: Path, step: int, timeout: f
         time.sleep(0.2)
 
 
+def _kill_role_at_step(proc: subprocess.Popen, tmp_path: Path, step: int, role: str, after_s: float = 0.0) -> None:
+    """SIGKILL the role's one process once the run has logged ``step`` (and ``after_s`` more)."""
+    _wait_for_step(proc, tmp_path, step)
+    time.sleep(after_s)
+    (victim,) = role_processes(proc.pid, role)
+    victim.kill()
+
+
 def _accounted(row: dict, steps: int, prompts_per_step: int = 4) -> None:
     """Every group went somewhere, none twice, and exactly the steps' groups were trained."""
     assert row["groups/lost"] == 0 and row["groups/unaccounted"] == 0, row
@@ -65,9 +73,7 @@ def test_killed_policy_replica_restarts_resyncs_and_the_run_completes(tmp_path: 
     """SIGKILL of the only policy process at step 2: the run waits for its restart, which loads
     the current weights before serving, and completes every step (same numbers), exit 0."""
     proc = _app(tmp_path)
-    _wait_for_step(proc, tmp_path, 2)
-    (victim,) = role_processes(proc.pid, "policy")
-    victim.kill()
+    _kill_role_at_step(proc, tmp_path, 2, "policy")
     code, out, err = _finish(proc)
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
     rows = _rows(tmp_path)
@@ -89,10 +95,8 @@ def test_multiturn_run_outlives_its_env_and_policy_replicas_dying_mid_trajectory
     environment's failure. The run completes every step with every group accounted for."""
     proc = start_app(tmp_path, steps=STEPS, config="configs/multiturn_tiny.yaml")
     for step, role in ((2, "env"), (4, "policy")):
-        _wait_for_step(proc, tmp_path, step)
-        time.sleep(0.5)  # into the next step: its groups' trajectories are playing their turns
-        (victim,) = role_processes(proc.pid, role)
-        victim.kill()
+        # 0.5 s into the next step: its groups' trajectories are playing their turns.
+        _kill_role_at_step(proc, tmp_path, step, role, after_s=0.5)
     code, out, err = _finish(proc)
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
     rows = _rows(tmp_path)
@@ -138,9 +142,7 @@ def test_a_role_without_restarts_left_stops_the_run_naming_the_role(tmp_path: Pa
     """faults.max_restarts=0: the reward process's death ends the run, exit 1, and the message
     names the role and says that no restart was allowed."""
     proc = _app(tmp_path, "steps=1000", "faults.max_restarts=0")
-    _wait_for_step(proc, tmp_path, 2)
-    (victim,) = role_processes(proc.pid, "reward")
-    victim.kill()
+    _kill_role_at_step(proc, tmp_path, 2, "reward")
     code, out, err = _finish(proc, timeout=90)
     assert code == 1, f"exit code {code}\nstderr:\n{err[-3000:]}"
     assert "grpo: FAILED: role 'reward' failed: replica 0 failed" in err, err[-3000:]
@@ -153,9 +155,7 @@ def test_a_role_with_no_healthy_replica_for_too_long_stops_the_run(tmp_path: Pat
     """A restart that cannot come within faults.max_unhealthy_s (its backoff is longer) ends the
     run with a message naming the role and the time it had no healthy replica."""
     proc = _app(tmp_path, "steps=1000", "faults.restart_backoff_s=60", "faults.max_unhealthy_s=3")
-    _wait_for_step(proc, tmp_path, 2)
-    (victim,) = role_processes(proc.pid, "reference")
-    victim.kill()
+    _kill_role_at_step(proc, tmp_path, 2, "reference")
     code, out, err = _finish(proc, timeout=90)
     assert code == 1, f"exit code {code}\nstderr:\n{err[-3000:]}"
     assert "role 'reference' failed: no healthy replica for 3s (faults.max_unhealthy_s=3)" in err, err[-3000:]
@@ -168,9 +168,7 @@ def test_trainer_death_stops_the_run_and_says_how_to_resume(tmp_path: Path) -> N
     from forge.checkpoint import latest_checkpoint
 
     proc = _app(tmp_path, "steps=1000", "trainer.checkpoint_every=2")
-    _wait_for_step(proc, tmp_path, 3)
-    (victim,) = role_processes(proc.pid, "trainer")
-    victim.kill()
+    _kill_role_at_step(proc, tmp_path, 3, "trainer")
     code, out, err = _finish(proc, timeout=90)
     assert code == 1, f"exit code {code}\nstderr:\n{err[-3000:]}"
     newest = latest_checkpoint(tmp_path / "out" / "checkpoints")
