@@ -225,7 +225,9 @@ class Rollouts:
 
     async def _add_many(self, groups: list[Any], key: Any) -> list[bool]:
         """The buffer writer's executor: one message for every group that finished meanwhile."""
-        return await call_role("buffer", self.roles.buffer.add_many.call_one(groups))
+        from forge.types import EpisodeGroups
+
+        return await call_role("buffer", self.roles.buffer.add_many.call_one(EpisodeGroups.pack(groups)))
 
     async def _produce(self) -> Any:
         """One prompt's group, generated again (same prompt, same id) after a replica's death."""

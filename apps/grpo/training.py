@@ -64,6 +64,8 @@ async def train(
                     "policy_version": version,
                     "policy_age_mean": float((version - 1 - batch.policy_versions).float().mean()),
                     "response_len_mean": float(batch.response_lens.float().mean()),
+                    # Pad tokens / tokens the trainer's forward passes computed (near 0 with pack_sequences).
+                    "padding_fraction": stats["padding_fraction"],
                     "step_time_s": t3 - t0,
                     "wait_s": t1 - t0,
                     "train_s": t2 - t1,

@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from forge.controller import ForgeActor, endpoint
-from forge.types import EpisodeBatch
+from forge.types import EpisodeBatch, EpisodeGroups
 
 __all__ = ["BufferStats", "GroupBuffer", "ReplayBuffer", "Sample", "group_version"]
 
@@ -68,6 +68,18 @@ class Sample:
     groups: list[EpisodeBatch] | None
     evicted: int
     stats: BufferStats | None = None
+
+    def __getstate__(self) -> dict:
+        # The groups travel as one batch (``EpisodeGroups``): ten tensors, not ten per group.
+        state = dict(self.__dict__)
+        if self.groups:
+            state["groups"] = EpisodeGroups.pack(self.groups)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state.get("groups"), EpisodeGroups):
+            state = {**state, "groups": state["groups"].unpack()}
+        self.__dict__.update(state)
 
 
 class GroupBuffer:
@@ -154,9 +166,11 @@ class ReplayBuffer(ForgeActor):
         return len(self.buffer)
 
     @endpoint
-    async def add_many(self, groups: list[EpisodeBatch]) -> list[bool]:
-        """Store several groups (one message for all); per group, whether it was stored (False:
-        a duplicate ``group_id``, refused)."""
+    async def add_many(self, groups: list[EpisodeBatch] | EpisodeGroups) -> list[bool]:
+        """Store several groups (one message for all; ``EpisodeGroups`` packs them into ten
+        tensors); per group, whether it was stored (False: a duplicate ``group_id``, refused)."""
+        if isinstance(groups, EpisodeGroups):
+            groups = groups.unpack()
         return [self.buffer.add(group) for group in groups]
 
     @endpoint

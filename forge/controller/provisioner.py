@@ -136,6 +136,11 @@ def remove_fault_listener(listener: Callable[[MeshFailure], bool]) -> None:
 
 
 # ------------------------------------------------------------------ spawning
+PROC_MESH_ENV = "FORGE_PROC_MESH"
+"""Environment variable naming the proc mesh a forge child process belongs to (its children,
+such as vLLM's engine core, inherit it)."""
+
+
 def spawn_proc_mesh(
     name: str,
     procs: int,
@@ -152,7 +157,9 @@ def spawn_proc_mesh(
     rank r sees ``gpus[r*k:(r+1)*k]`` as ``CUDA_VISIBLE_DEVICES`` (k = ``gpus_per_proc``).
     """
     install_fault_hook()
-    base_env = child_env(env)
+    # The mesh's name in every process's environment, so that tools outside forge (``ps``, a
+    # profiler, benchmarks/vs_trl.py's CPU accounting) can tell which replica a process serves.
+    base_env = {**child_env(env), PROC_MESH_ENV: name}
     if gpus is not None and len(gpus) != procs * gpus_per_proc:
         raise InsufficientGpus(
             f"replica {name!r} has {procs} procs x {gpus_per_proc} GPUs each but was given {len(gpus)} GPUs "

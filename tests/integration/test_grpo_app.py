@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
 
-REQUIRED_KEYS = {"step", "reward_mean", "loss", "kl", "step_time_s", "policy_version"}
+REQUIRED_KEYS = {"step", "reward_mean", "loss", "kl", "step_time_s", "policy_version", "padding_fraction"}
 _reward_calls = 0
 
 

@@ -314,6 +314,20 @@ def test_shipped_qwen3_config_runs_only_the_gsm8k_reward():
     assert cfg.reward.fns == {"gsm8k": 1.0}
 
 
+def test_the_medium_config_is_the_size_benchmarks_vs_trl_promises():
+    """configs/grpo_medium.yaml (vs_trl.py's medium workload): >= 10 M parameters (512 x 4 with
+    intermediate 2 x 512), >= 32 new tokens, group 8 and 16-32 prompts, packing on both sides."""
+    from apps.grpo.config import GRPOConfig
+
+    cfg = load_config(GRPOConfig, "configs/grpo_medium.yaml", [])
+    tiny = cfg.model.tiny
+    per_layer = 4 * tiny.hidden_size**2 + 3 * tiny.hidden_size * 2 * tiny.hidden_size
+    assert tiny.num_layers * per_layer >= 10_000_000, (tiny.hidden_size, tiny.num_layers)
+    assert cfg.policy.max_tokens >= 32 and cfg.group_size == 8 and 16 <= cfg.prompts_per_step <= 32
+    assert cfg.policy.max_model_len >= cfg.policy.max_tokens + 8  # prompts of "ddd=" and room
+    assert cfg.trainer.pack_sequences and cfg.reference.pack_sequences
+
+
 def test_an_override_of_a_dict_field_replaces_it_and_a_dotted_one_sets_one_entry(tmp_path):
     from apps.grpo.config import GRPOConfig
 

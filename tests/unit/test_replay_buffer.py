@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forge.actors.replay_buffer import GroupBuffer, ReplayBuffer, Sample, group_version
-from forge.types import Episode, EpisodeBatch
+from forge.types import Episode, EpisodeBatch, EpisodeGroups
 
 
 def _episodes(group_id: str, version: int, size: int = 3) -> list[Episode]:
@@ -118,6 +118,54 @@ def test_episode_batch_round_trips():
         assert torch.equal(got.response_ids, want.response_ids)
         assert torch.equal(got.behaviour_logprobs, want.behaviour_logprobs)
         assert got.reward == want.reward
+
+
+def _fields(batch: EpisodeBatch) -> dict:
+    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()}
+
+
+def test_groups_packed_into_one_batch_split_back_exactly():
+    """EpisodeGroups.pack/unpack (one batch for many groups) gives back every group's fields,
+    as copies that do not share the packed batch's storage."""
+    a = EpisodeBatch.pack(_episodes("a", 2))
+    b_episodes = _episodes("b", 3, size=2)
+    b_episodes[0].response_ids = torch.tensor([7, 8, 9])
+    b_episodes[0].behaviour_logprobs = b_episodes[0].ref_logprobs = torch.tensor([-1.0, -2.0, -3.0])
+    b_episodes[0].loss_mask = torch.tensor([True, False, True])
+    b_episodes[0].finish_reason = "length"
+    b = EpisodeBatch.pack(b_episodes)
+    c = EpisodeBatch.pack(_episodes("c", 4, size=1))
+    packed = EpisodeGroups.pack([a, b, c])
+    assert packed.sizes == [3, 2, 1] and len(packed.batch) == 6
+    got = packed.unpack()
+    assert [_fields(g) for g in got[1:2]] == [_fields(b)]
+    # A group packed beside one with a loss mask comes back with an all-true mask: the same training.
+    assert _fields(got[2]) == {**_fields(c), "loss_mask": [True]}
+    assert got[0].response_ids.untyped_storage().nbytes() == got[0].response_ids.numel() * 8  # not a view
+    with pytest.raises(ValueError, match="add up"):
+        packed.batch.split([3, 2])
+
+
+async def test_actor_takes_packed_groups_and_its_samples_cross_packed():
+    """add_many takes EpisodeGroups; a Sample crossing a process carries its groups as one
+    EpisodeGroups and arrives as the same list of groups."""
+    import pickle
+
+    from monarch.actor import this_proc
+
+    groups = [_group(f"g{i}", version=0, size=i + 1) for i in range(3)]
+    sample = Sample(groups, evicted=1)
+    assert isinstance(sample.__getstate__()["groups"], EpisodeGroups)
+    back = pickle.loads(pickle.dumps(sample))
+    assert [_fields(g) for g in back.groups] == [_fields(g) for g in groups] and back.evicted == 1
+    actor = this_proc().spawn("buffer_packed_test", ReplayBuffer, 0)
+    try:
+        await actor.setup.call_one()
+        assert await actor.add_many.call_one(EpisodeGroups.pack(groups)) == [True, True, True]
+        got = await actor.sample.call_one(3, 0)
+        assert [g.group_ids for g in got.groups] == [g.group_ids for g in groups]
+    finally:
+        await actor.stop()
 
 
 async def test_actor_reports_evictions_with_each_sample():

@@ -6,6 +6,7 @@ user setting PYTHONPATH (behaviour 8 of the service-core issue).
 
 import asyncio
 import os
+import re
 
 import pytest
 import torch
@@ -62,6 +63,7 @@ class Counter(ForgeActor):
             "pid": os.getpid(),
             "rank": current_rank().rank,
             "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "proc_mesh": os.environ.get("FORGE_PROC_MESH"),
         }
 
 
@@ -130,6 +132,13 @@ async def test_burst_is_queued_at_call_time_and_full_batches_go_out_at_once():
         assert await task == 5
     finally:
         await svc.shutdown()
+
+
+async def test_each_replica_process_names_its_proc_mesh_in_its_environment(counter_service):
+    """Tools outside forge (ps, profilers, the benchmarks' CPU accounting) tell replicas apart by it."""
+    names = sorted(s["proc_mesh"] for s in await counter_service.stats.fanout())
+    assert len(names) == 2 and all(re.fullmatch(r"counter\d+-r[01]-g0", n) for n in names), names
+    assert names[0][:-5] == names[1][:-5] and names[0] != names[1]  # one service, two replicas
 
 
 async def test_route_many_keeps_order_and_fanout_reaches_every_replica(counter_service):
