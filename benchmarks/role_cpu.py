@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import psutil
 
-PROC_MESH_ENV = "FORGE_PROC_MESH"  # set by forge.controller.provisioner.spawn_proc_mesh
+from forge.controller.provisioner import PROC_MESH_ENV
+
 # A service replica's mesh "policy0-r1-g0" -> "policy"; an actor's "trainer-a3" -> "trainer".
 _ROLE = re.compile(r"^(?P<role>.+?)(\d*-r\d+-g\d+|-a\d+)?$")
 

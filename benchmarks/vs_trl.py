@@ -378,14 +378,13 @@ def trl_child_env(cfg: Any, threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(gib), "HF_HUB_OFFLINE": "1"}
 
 
-def run_trl_row(row: str, config: str, overrides: list[str], work: Path, threads: int) -> dict[str, Any]:
+def run_trl_row(row: str, cfg: Any, config: str, overrides: list[str], work: Path, threads: int) -> dict[str, Any]:
     """One TRL row in a child process of this interpreter; its JSON result, or its exact error."""
     result = work / row / "result.json"
     result.parent.mkdir(parents=True, exist_ok=True)
     result.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--trl-child", row, "--config", config, *overrides]
     cmd += ["--result", str(result), "--work-dir", str(work), "--trl-threads", str(threads)]
-    cfg = load_grpo_config(config, overrides)
     log = work / row / "trl.log"
     with open(log, "w") as log_file:
         proc = subprocess.run(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=trl_child_env(cfg, threads))
@@ -421,12 +420,10 @@ def split_overrides(overrides: list[str]) -> dict[str, list[str]]:
 
 def settings_of(cfg: Any, config: str, overrides: list[str], model_path: str) -> dict[str, Any]:
     import torch
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model_cfg = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
-
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_cfg).parameters())
     return {
         "config": config,
@@ -463,7 +460,7 @@ def run_workload(
     for row in rows:
         print(f"[{name}] {row}", flush=True)
         if row in TRL_ROWS:
-            r = run_trl_row(row, config, overrides, work / name, threads)
+            r = run_trl_row(row, cfg, config, overrides, work / name, threads)
         else:
             r = run_forge(cfg, config, overrides + LEVERS.get(row, []), work / name / row)
             r["lever"] = LEVERS.get(row, [])
