@@ -26,6 +26,11 @@ every replica (``--kv-cache-copies 1.2``), any router finds its prefixes and the
 towards 1; the JSON records the capacity vLLM reported (``kv_cache_tokens``) and the share of
 the histories it was (``kv_cache_copies``).
 
+Each router also reports ``same_replica_fraction``: the share of a session's turns after its
+first that went to the replica of its previous turn. That share bounds the hit-rate ratio: a
+turn on its previous turn's replica finds that turn's blocks the last freed, so it hits as under
+affinity, and round robin on 2 replicas does this for half the turns (ratio at most about 2).
+
 Keys: ``affinity_vs_round_robin_throughput`` (goal >= 1.5), ``affinity_vs_round_robin_hit_rate``
 (goal >= 2), ``affinity_load_cv`` (goal <= 0.2).
 """
@@ -47,11 +52,41 @@ import torch
 
 import forge.controller  # noqa: F401  (before anything imports monarch)
 from forge.actors.policy import Policy, PolicyConfig
+from forge.controller.routing import Router, RouteRequest, make_router
 from forge.envs import SessionAffinity, SessionKey
 from forge.models import make_tiny_model
 from forge.types import TurnRequest
 
 ROUTERS = {"affinity": SessionAffinity, "round_robin": "round_robin", "least_loaded": "least_loaded"}
+
+
+class PlacementLog(Router):
+    """The router under test, unchanged, plus a record of which replica each session's turns got.
+
+    It measures what bounds the hit-rate ratio: a turn that lands where the session's previous
+    turn ran finds that turn's blocks the most recently freed in the replica's cache, so it hits
+    as affinity would; only the other turns can miss more.
+    """
+
+    def __init__(self, spec: Any) -> None:
+        self.inner = make_router(spec)
+        self.last: dict[str, int] = {}
+        self.repeats = 0  # turns after a session's first that went to its previous turn's replica
+        self.later_turns = 0
+
+    def choose(self, request: RouteRequest, replicas: Any) -> Any:
+        chosen = self.inner.choose(request, replicas)
+        if isinstance(request.key, SessionKey):
+            previous = self.last.get(request.key.session)
+            if previous is not None:
+                self.later_turns += 1
+                self.repeats += previous == chosen.replica_id
+            self.last[request.key.session] = chosen.replica_id
+        return chosen
+
+    @property
+    def same_replica_fraction(self) -> float:
+        return self.repeats / self.later_turns if self.later_turns else 0.0
 
 
 def distinct_tokens(args: argparse.Namespace) -> int:
@@ -85,8 +120,9 @@ async def run_workload(args: argparse.Namespace, model: Path, router: Any) -> di
         engine_kwargs={"disable_log_stats": False, "use_tqdm_on_load": False},
         seed=0,
     )
+    placement = PlacementLog(router)
     policy = await Policy.options(
-        num_replicas=2, env={"OMP_NUM_THREADS": "1"}, endpoint_routers={"generate_turn": router}
+        num_replicas=2, env={"OMP_NUM_THREADS": "1"}, endpoint_routers={"generate_turn": placement}
     ).as_service(config)
     try:
         vocab = range(4, 60)
@@ -126,6 +162,7 @@ async def run_workload(args: argparse.Namespace, model: Path, router: Any) -> di
         "seconds": elapsed,
         "turns_per_replica": per_replica,
         "load_cv": statistics.pstdev(per_replica) / mean if mean else 0.0,
+        "same_replica_fraction": placement.same_replica_fraction,
         "kv_cache_tokens": after[0]["kv_cache_tokens"],
         "kv_cache_copies": after[0]["kv_cache_tokens"] / distinct_tokens(args),
     }
@@ -141,6 +178,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"{name:>13}: hit rate {r['hit_rate']:.3f}, prefill {r['prefill_tokens']:.0f} tokens, "
             f"{r['turns_per_s']:.2f} turns/s, load CV {r['load_cv']:.3f} {r['turns_per_replica']}, "
+            f"{r['same_replica_fraction']:.2f} of later turns on the previous turn's replica, "
             f"KV cache {r['kv_cache_tokens']:.0f} tokens ({r['kv_cache_copies']:.2f} of the histories)",
             flush=True,
         )

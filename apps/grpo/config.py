@@ -149,8 +149,9 @@ class RolloutSection:
 @dataclass(kw_only=True)
 class WeightSyncSection:
     transport: str = "message"
-    """``message``: tensors in a Monarch message via the controller; ``file``: the trainer writes
-    a safetensors file under ``dir`` (same host only) and the policy loads it."""
+    """``message``: tensors in a Monarch message via the controller; ``file``: the trainer copies
+    them into one of three safetensors files it keeps under ``dir`` (same host only) and the policy
+    maps that file (``forge.generation.weight_files``)."""
     dir: str = "/dev/shm/forge-weights"
     """Folder of the ``file`` transport."""
 

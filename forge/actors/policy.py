@@ -347,14 +347,18 @@ class Policy(ForgeActor):
         """Load ``state_dict`` (checkpoint names) in place and serve it as ``version``.
 
         ``state_dict`` may also be the path of a safetensors file (e.g. in ``/dev/shm``) that
-        the trainer wrote, which saves a copy through the message layer. Returns ``version``.
+        the trainer wrote, which saves a copy through the message layer; a file the trainer has
+        reused for a newer version since fails with ``StaleWeightFile``. Returns ``version``.
         """
         t0 = time.perf_counter()
         if isinstance(state_dict, str):
-            from safetensors.torch import load_file
+            from forge.generation.weight_files import read_weights
 
-            state_dict = load_file(state_dict)
-        await _settle(self.engine.update_weights(state_dict, version))
+            # Mapped, not copied; the trainer does not rewrite the file until the load is done.
+            with read_weights(state_dict, version) as mapped:
+                await _settle(self.engine.update_weights(mapped, version))
+        else:
+            await _settle(self.engine.update_weights(state_dict, version))
         seconds = time.perf_counter() - t0
         self.stats["update_s"] += seconds
         record_metric("policy/update_weights_s", seconds, "sum")

@@ -35,11 +35,10 @@ its own state as ``extra``.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,6 +58,9 @@ from forge.losses import grpo_loss, trainable_lengths
 from forge.losses.grpo import check_loss_type
 from forge.models import PaddedBatch, forward_tokens, pack_right_padded, padded_token_logprobs
 from forge.types import Episode, EpisodeBatch
+
+if TYPE_CHECKING:
+    from forge.generation.weight_files import WeightFiles
 
 __all__ = ["Trainer", "TrainerConfig", "TrainerSettings"]
 
@@ -171,15 +173,13 @@ class Trainer(ForgeActor):
     device: torch.device
     # -- training state
     version: int
-    _published: list[str]
-    _publish_count: int
+    _weight_files: WeightFiles | None
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
         self.version = 0
         self.device = torch.device("cpu")
-        self._published = []
-        self._publish_count = 0
+        self._weight_files = None
 
     @endpoint
     async def setup(self) -> None:
@@ -330,31 +330,25 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def publish_weights(self, folder: str) -> tuple[str, int]:
-        """Write the weights as one safetensors file under ``folder``; return (path, version).
+        """Write the weights into a safetensors file under ``folder``; return (path, version).
 
-        On one host, with ``folder`` in ``/dev/shm``, this hands the policy a file to load
+        On one host, with ``folder`` in ``/dev/shm``, this hands the policy a file to map
         instead of a message to deserialise. Rank 0 writes it (other ranks return ``""``). The
-        previous version's file is removed, and on the first call so are the files of trainers
-        that were killed (their process is gone).
+        files are kept and rewritten in place (``forge.generation.weight_files``): a fresh file
+        per version cost as much as vLLM's reload. On the first call the files of trainers that
+        were killed (their process is gone) are removed.
         """
-        from safetensors.torch import save_file
+        from forge.generation.weight_files import WeightFiles, remove_orphaned_weight_files
 
         state = self._state_dict()
         if not self.rank.is_main:
             return "", self.version
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        if self._publish_count == 0:
-            _remove_orphaned_weights(folder)
-        self._publish_count += 1
-        path = os.path.join(folder, f"weights-{os.getpid()}-{self._publish_count}-v{self.version}.safetensors")
-        tmp = path + ".tmp"
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp)
-        os.replace(tmp, path)
-        self._published.append(path)
-        while len(self._published) > 2:  # the policy may still be reading the previous one
-            stale = self._published.pop(0)
-            if os.path.exists(stale):
-                os.remove(stale)
+        if self._weight_files is None or self._weight_files.folder != Path(folder):
+            if self._weight_files is not None:
+                self._weight_files.close()
+            remove_orphaned_weight_files(folder)
+            self._weight_files = WeightFiles(folder)
+        path = self._weight_files.write({k: v.contiguous() for k, v in state.items()}, self.version)
         return path, self.version
 
     @endpoint
@@ -439,10 +433,9 @@ class Trainer(ForgeActor):
         shutdown_spmd()
 
     def _remove_published(self) -> None:
-        for path in self._published:
-            if os.path.exists(path):
-                os.remove(path)
-        self._published.clear()
+        if self._weight_files is not None:
+            self._weight_files.close()
+            self._weight_files = None
 
     def _state_dict(self) -> dict[str, Any]:
         """Full weights on rank 0 (publish dtype, tied head left out); ``{}`` on other ranks."""
@@ -526,25 +519,3 @@ def _write_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     if generation is not None:
         generation.save_pretrained(folder)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
-
-
-def _remove_orphaned_weights(folder: str) -> None:
-    """Remove ``weights-<pid>-*`` files (and their ``.tmp``) whose writer process is gone.
-
-    A trainer killed with SIGKILL cannot remove what it published; in ``/dev/shm`` that is
-    memory held until reboot. The file transport is single-host, so the pid is this host's.
-    """
-    for path in Path(folder).glob("weights-*.safetensors*"):
-        pid = path.name.split("-")[1]
-        if pid.isdigit() and not _alive(int(pid)):
-            path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True

@@ -136,8 +136,8 @@ def file_transport_bytes(
 ) -> int:
     """Bytes the file transport holds at its peak for a checkpoint of ``spec`` in ``dtype``.
 
-    The trainer keeps the last two published files (the policy may still be reading the older)
-    and writes the next before removing the oldest: ``copies=3``. A tied head is not written.
+    The trainer keeps three files of the model's layout and rewrites them in turn
+    (``forge.generation.weight_files.WeightFiles``): ``copies=3``. A tied head is not written.
     """
     element = torch.empty((), dtype=dtype).element_size()
     numel = sum(math.prod(shape) for name, shape in spec.items() if not (tied and name == TIED_HEAD))
