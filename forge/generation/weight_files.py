@@ -55,18 +55,25 @@ def _stamp(version: int) -> str:
     return f"{version:0{STAMP_WIDTH}d}"
 
 
-def _lock(fd: int, kind: int, timeout_s: float, path: str | Path) -> None:
-    """``flock`` ``fd`` with ``kind`` (LOCK_SH or LOCK_EX), polling until ``timeout_s``."""
+def _lock_first(fds: list[int], kind: int, timeout_s: float) -> int | None:
+    """``flock`` the first of ``fds`` that is free with ``kind`` (LOCK_SH or LOCK_EX), polling
+    until ``timeout_s``; its index, or None if none came free in time."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            fcntl.flock(fd, kind | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                side = "written" if kind == fcntl.LOCK_SH else "read"
-                raise TimeoutError(f"weight file {path} was still being {side} after {timeout_s:g} s") from None
-            time.sleep(LOCK_POLL_S)
+        for index, fd in enumerate(fds):
+            try:
+                fcntl.flock(fd, kind | fcntl.LOCK_NB)
+                return index
+            except BlockingIOError:
+                continue
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(LOCK_POLL_S)
+
+
+def _read_lock(fd: int, timeout_s: float, path: str) -> None:
+    if _lock_first([fd], fcntl.LOCK_SH, timeout_s) is None:
+        raise TimeoutError(f"weight file {path} was still being written after {timeout_s:g} s")
 
 
 def _header(raw: bytes | mmap.mmap) -> tuple[dict, int]:
@@ -219,20 +226,13 @@ class WeightFiles:
     def _acquire(self) -> int:
         """Lock the least recently written file no reader holds (never the newest), for writing."""
         candidates = self._order[:-1] if self._files[self._order[-1]].version is not None else self._order
-        deadline = time.monotonic() + self.lock_timeout_s
-        while True:
-            for slot in candidates:
-                try:
-                    fcntl.flock(self._files[slot].fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return slot
-                except BlockingIOError:
-                    continue
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"every weight file in {self.folder} but the newest was still being read after "
-                    f"{self.lock_timeout_s:g} s; a policy replica is stuck loading weights"
-                )
-            time.sleep(LOCK_POLL_S)
+        index = _lock_first([self._files[slot].fd for slot in candidates], fcntl.LOCK_EX, self.lock_timeout_s)
+        if index is None:
+            raise TimeoutError(
+                f"every weight file in {self.folder} but the newest was still being read after "
+                f"{self.lock_timeout_s:g} s; a policy replica is stuck loading weights"
+            )
+        return candidates[index]
 
     def close(self) -> None:
         """Unmap and remove the files."""
@@ -279,12 +279,12 @@ def read_weights(path: str | Path, version: int | None = None, *, timeout_s: flo
 
         fd = os.open(path, os.O_RDONLY)
         try:
-            _lock(fd, fcntl.LOCK_SH, timeout_s, path)
+            _read_lock(fd, timeout_s, path)
             yield load_file(path)
         finally:
             os.close(fd)  # releases the lock
         return
-    _lock(mapped.fd, fcntl.LOCK_SH, timeout_s, path)
+    _read_lock(mapped.fd, timeout_s, path)
     try:
         stamp = mapped.stamp
         if version is not None and stamp != _stamp(version):
@@ -299,7 +299,8 @@ def read_weights(path: str | Path, version: int | None = None, *, timeout_s: flo
 
 
 def remove_orphaned_weight_files(folder: str | Path) -> None:
-    """Remove ``weights-<pid>-*`` files (and their ``.tmp``) whose writer process is gone.
+    """Remove ``weights-<pid>-*`` files whose writer process is gone (with the ``.tmp`` files
+    that forge's earlier per-version files left).
 
     A trainer killed with SIGKILL cannot remove what it published; in ``/dev/shm`` that is
     memory held until reboot. The file transport is single-host, so the pid is this host's.
