@@ -259,11 +259,14 @@ class Batcher:
 
     def has_forming(self, key: Hashable) -> bool:
         """Whether a batch for ``key`` is waiting for more items (batch-aware routing uses it)."""
+        return self.prune(key)
+
+    def prune(self, key: Hashable) -> bool:
+        """Drop the cancelled callers at the head of ``key``'s queue, and the queue itself once
+        nothing is left in it; returns whether it still holds items. For a key that will never
+        run again (a load of a model whose callers all left) this is how its queue goes."""
         queue = self._queues.get(key)
-        if queue is None:
-            return False
-        self._queued -= queue.drop_done_head()
-        return bool(queue.items)
+        return queue is not None and self._prune(key, queue)
 
     @property
     def queued(self) -> int:
@@ -283,10 +286,9 @@ class Batcher:
 
     def fail(self, key: Hashable, error: BaseException) -> None:
         """Fail every queued item of ``key`` with ``error`` and drop its queue."""
-        queue = self._queues.pop(key, None)  # its heap entry dies with it (checked by identity)
-        self._full.pop(key, None)
-        self._held.pop(key, None)
+        queue = self._queues.get(key)
         if queue is not None:
+            self._forget(key)  # its heap entry dies with it (checked by identity)
             self._queued -= len(queue.items)
             for pending in queue.items:
                 if not pending.future.done():
@@ -356,15 +358,12 @@ class Batcher:
     def _live(self, key: Hashable, queue: _KeyQueue, epoch: int) -> bool:
         """Whether a heap or full-list entry still stands for a queue that can run now.
 
-        Drops cancelled callers at the queue's head; removes the queue if nothing is left in it
-        (idle queues go away), and holds it back if its key is not runnable.
+        Drops cancelled callers at the queue's head (``_prune``) and holds the queue back if its
+        key is not runnable.
         """
         if self._queues.get(key) is not queue or queue.epoch != epoch:
             return False  # the queue was emptied, failed or held since this entry was made
-        self._queued -= queue.drop_done_head()
-        if not queue.items:
-            del self._queues[key]
-            self._full.pop(key, None)
+        if not self._prune(key, queue):
             return False
         if self._runnable is not None and not self._runnable(key):
             self._hold(key, queue)
@@ -405,12 +404,34 @@ class Batcher:
         self._held[key] = queue
 
     def _release(self, key: Hashable, queue: _KeyQueue) -> None:
+        """A held queue may run again: file it in the deadline heap (and the full list)."""
         del self._held[key]
         queue.held = False
+        self._push_deadline(key, queue, queue.oldest() + self.spec.max_wait_s)
+        if queue.total_size >= self.spec.max_size:
+            self._full[key] = (queue, queue.epoch)
+
+    # ------------------------------------------------------- a queue's lifecycle
+    # A queue is registered (in ``_queues``) exactly while it holds items: ``enqueue`` creates it
+    # with its first item and files its deadline; whatever takes its last item (a batch, a
+    # cancelled caller dropped, ``fail``) forgets it in the same step. So an item always lands
+    # either in a new queue, which files a deadline, or in a live queue whose deadline entry (or
+    # held state, whose release files one) is already there: no empty queue can swallow later items.
+    def _prune(self, key: Hashable, queue: _KeyQueue) -> bool:
+        """Drop cancelled callers at the head of ``key``'s queue; forget the queue if that
+        emptied it. Returns whether it still holds items."""
+        self._queued -= queue.drop_done_head()
         if queue.items:
-            self._push_deadline(key, queue, queue.oldest() + self.spec.max_wait_s)
-            if queue.total_size >= self.spec.max_size:
-                self._full[key] = (queue, queue.epoch)
+            return True
+        self._forget(key)
+        return False
+
+    def _forget(self, key: Hashable) -> None:
+        """Unregister ``key``'s queue everywhere. Its heap entry is dropped lazily: it no longer
+        matches ``_queues`` (by identity)."""
+        self._queues.pop(key, None)
+        self._full.pop(key, None)
+        self._held.pop(key, None)
 
     def _start(self, key: Hashable) -> None:
         """Take a batch of ``key`` into a free slot and hand it to the executor now.
@@ -450,8 +471,7 @@ class Batcher:
                 total += pending.size
                 batch.append(pending)
         if not queue.items:
-            del self._queues[key]
-            self._full.pop(key, None)
+            self._forget(key)
         elif key in self._full:
             if queue.total_size >= self.spec.max_size:
                 self._full.move_to_end(key)  # full again: behind the other full keys

@@ -183,6 +183,8 @@ class ReplicaModels:
                 rec = next(iter(self._wanted.values()))
                 if rec.pending == 0:  # every caller gave up (or its enqueue failed)
                     del self._wanted[rec.model_id]
+                    for batcher in self._batchers:
+                        batcher.prune(rec.key)  # that load never comes: its emptied queue goes too
                     continue
                 old = self._resident.get(rec.model_id)
                 if old is not None:  # it is draining: once idle, the new requests reuse it as is

@@ -186,6 +186,48 @@ async def test_held_key_keeps_growing_and_runs_after_wake():
     assert rec.batches[1:] == [[0, 1, 2, 3], [4, 5]]
 
 
+async def test_a_held_queue_emptied_by_a_cancelled_caller_still_serves_later_items():
+    """A held key's only caller is cancelled and a batch-aware router probes the key (the queue
+    runs empty); once the key is runnable, a later item below max_size runs on its deadline
+    instead of waiting forever in a queue that lost its deadline."""
+    ready = {"m": False}
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=0.01), rec, runnable=lambda k: ready[k])
+    first = b.enqueue(1, key="m")
+    await settle()  # the dispatcher sees that "m" is not runnable and holds it
+    first.cancel()
+    assert not b.has_forming("m")  # the router's probe drops the cancelled head
+    assert b.keys == [] and b.queued == 0  # an empty queue is not kept
+    ready["m"] = True
+    b.wake()
+    second = b.enqueue(2, key="m")
+    assert await asyncio.wait_for(second, 2.0) == 4
+    assert rec.batches == [[2]]
+
+
+async def test_a_held_queue_whose_callers_all_left_goes_when_released():
+    """Every caller of a held key cancelled, without a probe: once released, the empty queue
+    is dropped, and the next item of that key runs alone on its deadline."""
+    clock = FakeClock()
+    ready = {"m": False}
+    rec = Recorder()
+    b = Batcher(Batching(max_size=8, max_wait_s=1.0), rec, clock=clock, runnable=lambda k: ready[k])
+    gone = [b.enqueue(i, key="m") for i in range(3)]
+    await settle()
+    for f in gone:
+        f.cancel()
+    ready["m"] = True
+    b.wake()
+    await settle()
+    assert b.keys == [] and b.queued == 0 and rec.batches == []
+    clock.now = 5.0
+    late = b.enqueue(7, key="m")
+    clock.now = 6.0
+    b.wake()
+    assert await asyncio.wait_for(late, 2.0) == 14
+    assert rec.batches == [[7]]
+
+
 async def test_batch_keeps_growing_while_slots_are_busy():
     """With the only slot busy, later items form ONE batch instead of many half-empty ones."""
     rec = Recorder()

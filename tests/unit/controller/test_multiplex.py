@@ -12,8 +12,19 @@ import signal
 
 import pytest
 
-from forge.controller import Batching, ForgeActor, ModelLoadError, ReplicaState, endpoint, model_loader
+from forge.controller import (
+    Batching,
+    ForgeActor,
+    ModelLoadError,
+    ReplicaState,
+    RequestTimeout,
+    Router,
+    endpoint,
+    model_loader,
+)
 from forge.controller.multiplex import check_multiplexing, model_store
+
+SLOW_LOAD_S = 1.5
 
 
 class Predictor(ForgeActor):
@@ -25,7 +36,7 @@ class Predictor(ForgeActor):
     @model_loader(max_models=2, unload="unload_model")
     async def load_model(self, model_id: str) -> dict:
         self.log.append(("load", model_id))
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(SLOW_LOAD_S if model_id.startswith("slowload") else 0.02)
         if model_id.startswith("broken"):
             raise ValueError(f"no weights for {model_id}")
         return {"id": model_id}
@@ -147,6 +158,41 @@ async def test_idle_model_queues_are_removed(solo):
     replica = solo.service.replicas[0]
     assert replica.batchers["predict"].keys == []
     assert replica.metrics()["models"]["waiting"] == [] and replica.metrics()["models"]["loading"] == []
+
+
+class ProbingRoundRobin(Router):
+    """Round robin that first asks every replica whether the key's batch is forming, as a
+    batch-aware router does: a probe of a replica the request then does not go to."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def choose(self, request, replicas):
+        for replica in replicas:
+            replica.has_forming(request.endpoint, request.key)
+        self.turn += 1
+        return replicas[self.turn % len(replicas)]
+
+
+async def test_a_caller_that_times_out_during_a_load_leaves_no_stuck_queue():
+    """Callers time out while their model loads on two replicas; a router's probe then empties
+    both queues during the load. Once loaded, later requests below max_size are still served
+    on either replica, in about max_wait_s, not after their own timeout."""
+    svc = await Predictor.options(num_replicas=2, endpoint_routers={"predict": ProbingRoundRobin()}).as_service()
+    try:
+        out = await svc.predict.fanout(0, model_id="slowload-m", timeout=0.3)  # both replicas load it
+        pytest.fail(f"the fanout should have timed out while the model loads, got {out}")
+    except RequestTimeout:
+        pass
+    try:
+        during = await asyncio.wait_for(svc.predict.route(1, model_id="slowload-m"), SLOW_LOAD_S + 10)
+        assert during == ("slowload-m", 1)
+        after = [await asyncio.wait_for(svc.predict.route(i, model_id="slowload-m"), 5.0) for i in range(2, 6)]
+        assert after == [("slowload-m", i) for i in range(2, 6)]
+        for replica in svc.service.replicas:
+            assert replica.batchers["predict"].keys == []  # no queue outlived its last item
+    finally:
+        await svc.shutdown()
 
 
 async def test_route_needs_a_model_id(solo):
