@@ -15,7 +15,7 @@ It starts the roles exactly as ``apps/grpo/main.py`` does, then measures, one af
   weights (goal >= 0.9). Both run on version-0 weights, in alternating rounds, before any
   training step; the figure is the ratio of the medians over ``--rounds``.
 - ``weight_sync_vs_memcpy``: state-dict bytes/s from the trainer into the policy (the app's
-  ``sync_weights``: fetch from the trainer, load into every replica) / bytes/s of an
+  ``PolicyWeights.sync``: fetch from the trainer, load into every replica) / bytes/s of an
   in-process copy of the same state dict into preallocated tensors (goal >= 0.5). Both transports
   (``message`` and ``file``) are measured; the figure is the configured one's.
 - ``weight_sync_vs_vllm_reload``: the same sync's bytes/s / bytes/s of vLLM's own in-place
@@ -51,8 +51,8 @@ from forge.controller import quiet_monarch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from apps.common.weights import PolicyWeights  # noqa: E402
 from apps.grpo.roles import Roles, prepare_model, start_roles, stop_roles  # noqa: E402
-from apps.grpo.training import sync_weights  # noqa: E402
 from forge.distributed import call_spmd  # noqa: E402
 
 PHASES = ("generation", "reward", "reference", "training", "weight_sync")
@@ -102,7 +102,7 @@ async def measure_steps(cfg: Any, roles: Roles, steps: int) -> dict[str, Any]:
         t3 = time.perf_counter()
         await call_spmd(roles.trainer.train_step, EpisodeBatch.pack(episodes))
         t4 = time.perf_counter()
-        await sync_weights(cfg, roles)
+        await roles.weights.sync()
         t5 = time.perf_counter()
         times.update(reward=t1 - t0, reference=t2 - t1, training=t4 - t3, weight_sync=t5 - t4)
         if step > 0:
@@ -119,10 +119,17 @@ async def measure_steps(cfg: Any, roles: Roles, steps: int) -> dict[str, Any]:
     }
 
 
+async def _policy_update_s(roles: Roles) -> float:
+    """Seconds the policy replica spent in ``update_weights`` since the last call (its recorded
+    ``policy/update_weights_s``, drained)."""
+    (records,) = await roles.policy.drain_metrics.fanout()
+    return sum(value for name, value, _ in records if name == "policy/update_weights_s")
+
+
 async def measure_weight_sync(
     cfg: Any, roles: Roles, repeats: int, bare_reload: Callable[[], Awaitable[float]] | None = None
 ) -> dict[str, Any]:
-    """bytes/s of ``sync_weights`` (each transport), of an in-process copy and, with
+    """bytes/s of ``PolicyWeights.sync`` (each transport), of an in-process copy and, with
     ``bare_reload`` (seconds of one in-place vLLM reload of the same weights in a bare engine's
     process), of vLLM's own reload; the reloads alternate with the syncs, so load drift on
     shared cores hits both alike."""
@@ -155,14 +162,15 @@ async def measure_weight_sync(
         await bare_reload()  # warm-up
     for transport in ("message", "file"):
         cfg.weight_sync.transport = transport
-        await sync_weights(cfg, roles)  # warm-up
+        weights = PolicyWeights(roles.trainer, roles.policy, transport, cfg.weight_sync.dir, 60.0)
+        await weights.sync()  # warm-up
+        await _policy_update_s(roles)
         times, loads = [], []
         for _ in range(repeats):
-            before = (await roles.policy.engine_stats.fanout())[0]["update_s"]
             t0 = time.perf_counter()
-            await sync_weights(cfg, roles)
+            await weights.sync()
             times.append(time.perf_counter() - t0)
-            loads.append((await roles.policy.engine_stats.fanout())[0]["update_s"] - before)
+            loads.append(await _policy_update_s(roles))
             if bare_reload is not None:
                 reload_s.append(await bare_reload())
         bps = nbytes / statistics.median(times)
@@ -230,6 +238,7 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
 
     model_path = prepare_model(cfg)
     roles = await start_roles(cfg, model_path)
+    roles.weights = PolicyWeights(roles.trainer, roles.policy, cfg.weight_sync.transport, cfg.weight_sync.dir, 60.0)
     p = cfg.policy
     bare = None
     try:

@@ -225,6 +225,22 @@ def _joined_masks(masks: list[torch.Tensor | None], lengths: list[int]) -> torch
     return torch.cat([m.bool() if m is not None else torch.ones(n, dtype=torch.bool) for m, n in zip(masks, lengths)])
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """``n`` samples of one prompt at sampling settings of the caller's own (evaluation: greedy
+    with ``temperature=0``, or ``n`` samples for pass@n), whatever the policy's training settings."""
+
+    prompt: Prompt
+    n: int = 1
+    temperature: float = 0.0
+    max_tokens: int = 16
+
+    @property
+    def settings(self) -> tuple[int, float, int]:
+        """What must be equal for requests to share one engine call: ``(n, temperature, max_tokens)``."""
+        return self.n, self.temperature, self.max_tokens
+
+
 @dataclass
 class TurnRequest:
     """One turn of a multi-turn trajectory: the whole token history so far, sent as ids (the
@@ -243,3 +259,42 @@ class TurnResult:
     text: str
     policy_version: int
     finish_reason: str = "stop"
+
+
+@dataclass
+class SFTExample:
+    """One supervised example as token ids: the prompt (not trained) and the answer (trained)."""
+
+    prompt_ids: torch.Tensor  # int64 [P]
+    answer_ids: torch.Tensor  # int64 [A], the target, ending with the end-of-answer token
+
+
+@dataclass
+class SFTBatch:
+    """Many ``SFTExample``s in four flat tensors, the form in which a step's examples travel to the
+    trainer (one tensor per field, not two per example: see ``EpisodeBatch``)."""
+
+    prompt_ids: torch.Tensor  # int64 [sum P]
+    prompt_lens: torch.Tensor  # int64 [B]
+    answer_ids: torch.Tensor  # int64 [sum A]
+    answer_lens: torch.Tensor  # int64 [B]
+
+    def __len__(self) -> int:
+        return int(self.prompt_lens.numel())
+
+    @classmethod
+    def pack(cls, examples: list[SFTExample]) -> SFTBatch:
+        if not examples:
+            raise ValueError("SFTBatch.pack needs at least one example")
+        return cls(
+            prompt_ids=torch.cat([e.prompt_ids.long() for e in examples]),
+            prompt_lens=torch.tensor([e.prompt_ids.numel() for e in examples], dtype=torch.long),
+            answer_ids=torch.cat([e.answer_ids.long() for e in examples]),
+            answer_lens=torch.tensor([e.answer_ids.numel() for e in examples], dtype=torch.long),
+        )
+
+    def unpack(self) -> list[SFTExample]:
+        return [
+            SFTExample(p, a)
+            for p, a in zip(_split(self.prompt_ids, self.prompt_lens), _split(self.answer_ids, self.answer_lens))
+        ]

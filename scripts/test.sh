@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the tests need (first run only), then runs them.
-#   scripts/test.sh            the default suite (CI; well under 15 minutes on 2 cores)
+#   scripts/test.sh            the default suite (CI; its run time is in docs/benchmarks.md)
 #   scripts/test.sh --slow     only the slow tests
 #   scripts/test.sh -k batch   any other pytest arguments pass through
 set -euo pipefail

@@ -14,6 +14,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from apps.common.config import EvalSamplingSection, RecordsSection, WandbSection
+from forge.actors.dataset import DATASET_SOURCES
 from forge.actors.policy import PolicySettings
 from forge.actors.trainer import TrainerSettings
 from forge.controller.jobs import HostsConfig
@@ -43,6 +45,10 @@ class ModelSection:
     """Hugging Face checkpoint folder shared by policy, reference and trainer (required)."""
     tiny: TinyModel = field(default_factory=TinyModel)
     """The tiny model to make at ``path`` if ``tiny.make_if_missing`` and none is there."""
+    tokenizer: str = ""
+    """A folder whose tokenizer the run expects (e.g. the base model an SFT checkpoint came
+    from): ``path``'s own must be the same one, or the run stops at start-up naming both.
+    Empty: no check beyond ``path``'s tokenizer fitting its embeddings."""
 
 
 @dataclass(kw_only=True)
@@ -101,20 +107,34 @@ class TrainerSection(Placement, TrainerSettings):
     export_final_model: bool = True
     """At the end, write the trained model as a Hugging Face folder (config, safetensors,
     tokenizer) to ``<logging.output_dir>/final_model``, for ``transformers`` and vLLM."""
+    export_every: int = 0
+    """Also write a Hugging Face folder every N steps, ``<logging.output_dir>/exports/step_<N>``,
+    each listed with its step and wall time in ``exports/index.jsonl`` (to evaluate or compare
+    checkpoints afterwards: ``apps.eval``, ``benchmarks/time_to_accuracy.py``); 0 never."""
 
 
 @dataclass(kw_only=True)
-class DataSection:
+class DataSection(RecordsSection):
+    """Where prompts come from. ``source: dataset`` reads records from local files (``path``,
+    ``split``, ``question_key``, ``answer_key``: ``forge.data.datasets``), e.g. GSM8K's
+    ``train.jsonl`` or the generated addition task."""
+
     source: str = "toy"
-    """``toy`` (the built-in arithmetic task), ``jsonl`` (prompts read from ``path``) or
+    """``toy`` (the built-in digit-reversal task), ``dataset`` (records from ``path``) or
     ``package.module:factory`` (your ``factory(seed=..., **options)`` yielding ``Prompt``s)."""
-    path: str | None = None
-    """JSONL file of prompts when ``source`` is ``jsonl``."""
-    prompt_template: str = "{text}"
-    """Format of the text sent to the policy; ``{text}`` is the prompt's text."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of the task (e.g. ``min_digits``) or of ``read_jsonl_prompts``
-    (``question_key``, ``answer_key``)."""
+    """Extra keyword arguments of the toy task (e.g. ``min_digits``) or of your factory."""
+
+
+@dataclass(kw_only=True)
+class EvalSection(EvalSamplingSection):
+    """Held-out evaluation on the policy service, beside training (``forge.evaluation``): at step
+    0, every ``every`` steps and after the last step. Its figures (``eval/accuracy``,
+    ``eval/pass@k``, ``eval/mean@k``, ``eval/reward_mean``, ``eval/length_mean``, ``eval/s``) go
+    to every sink, ``eval/step`` says which step's weights they describe."""
+
+    every: int = 0
+    """Steps between evaluations; 0: no evaluation."""
 
 
 @dataclass(kw_only=True)
@@ -208,6 +228,8 @@ class LoggingSection:
     """Write ``<output_dir>/reward_loss.png`` at the end."""
     progress_bar: bool = True
     """Show a progress bar with reward, loss and step time."""
+    wandb: WandbSection = field(default_factory=WandbSection)
+    """The ``wandb`` sink's project, run name and mode."""
 
 
 @dataclass(kw_only=True)
@@ -238,6 +260,8 @@ class GRPOConfig:
     the policy, reference, reward and trainer processes all run on its hosts."""
     env: EnvSection = field(default_factory=EnvSection)
     """The environment of multi-turn rollouts; none (single-turn) unless ``env.cls`` is set."""
+    eval: EvalSection = field(default_factory=EvalSection)
+    """Held-out evaluation beside training; off unless ``eval.every`` is set."""
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def __post_init__(self) -> None:
@@ -258,6 +282,8 @@ class GRPOConfig:
             raise ValueError(
                 f"trainer.checkpoint_every must be >= 0 (0 disables checkpoints), got {self.trainer.checkpoint_every}"
             )
+        if self.trainer.export_every < 0:
+            raise ValueError(f"trainer.export_every must be >= 0 (0: never), got {self.trainer.export_every}")
         if self.trainer.keep_checkpoints < 1:
             raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.trainer.keep_checkpoints}")
         if self.max_policy_age < 0:
@@ -271,12 +297,7 @@ class GRPOConfig:
             raise ValueError(f"policy.temperature must be > 0 for RL sampling, got {self.policy.temperature}")
         if self.weight_sync.transport not in ("message", "file"):
             raise ValueError(f"weight_sync.transport must be 'message' or 'file', got {self.weight_sync.transport!r}")
-        if self.data.source not in ("toy", "jsonl") and ":" not in self.data.source:
-            raise ValueError(
-                f"data.source must be 'toy', 'jsonl' or 'package.module:factory', got {self.data.source!r}"
-            )
-        if self.data.source == "jsonl" and not self.data.path:
-            raise ValueError("data.path is required when data.source is 'jsonl'")
+        self._check_data()
         if "jsonl" not in self.logging.sinks:
             raise ValueError(
                 "logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source"
@@ -296,6 +317,24 @@ class GRPOConfig:
                 f"faults.health_timeout_s ({self.faults.health_timeout_s}) must be >= faults.health_interval_s "
                 f"({self.faults.health_interval_s}): a replica is probed every interval and failed after the timeout"
             )
+
+    def _check_data(self) -> None:
+        source = self.data.source
+        if source == "jsonl":
+            raise ValueError(
+                "data.source 'jsonl' is now 'dataset': records from data.path (jsonl, json, parquet, csv or a "
+                "save_to_disk folder) through Hugging Face datasets"
+            )
+        if source not in DATASET_SOURCES and ":" not in source:
+            raise ValueError(f"data.source must be 'toy', 'dataset' or 'package.module:factory', got {source!r}")
+        if source == "dataset" and not self.data.path:
+            raise ValueError("data.path is required when data.source is 'dataset'")
+        if self.eval.every < 0:
+            raise ValueError(f"eval.every must be >= 0 (0: no evaluation), got {self.eval.every}")
+        if self.eval.every:
+            self.eval.check()
+            if not (self.eval.data.path or self.data.path):
+                raise ValueError("eval needs held-out records: set eval.data.path (or data.path)")
 
     def _check_env(self) -> None:
         env = self.env
@@ -375,21 +414,8 @@ class GRPOConfig:
         return self.policy.max_tokens * (self.env.max_turns if self.env.cls else 1)
 
     def check_weight_sync_space(self, model_dir: str | Path) -> None:
-        """With the file transport, fail now unless ``weight_sync.dir`` has room for what the trainer
-        will keep there: three copies of the model's weights in ``trainer.publish_dtype`` (a 64 MB
-        container ``/dev/shm`` against ~11 GB for Qwen3-1.7B in bf16). A no-op for ``message``."""
-        if self.weight_sync.transport != "file":
-            return
-        import torch
-        from transformers import AutoConfig
-
-        from forge.generation.weight_sync import check_file_transport_space, checkpoint_spec, file_transport_bytes
-
-        config = AutoConfig.from_pretrained(model_dir)
-        tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
-        dtype = getattr(torch, self.trainer.publish_dtype or self.trainer.dtype)
-        needed = file_transport_bytes(checkpoint_spec(model_dir), dtype, tied=tied)
-        check_file_transport_space(self.weight_sync.dir, needed)
+        """``check_weight_sync_space`` for this run's sections."""
+        check_weight_sync_space(self.weight_sync, self.trainer, model_dir)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -403,3 +429,21 @@ class GRPOConfig:
     @property
     def max_buffered_groups(self) -> int:
         return self.rollout.max_buffered_groups or self.prompts_per_step * max(1, self.max_policy_age)
+
+
+def check_weight_sync_space(weight_sync: WeightSyncSection, trainer: Any, model_dir: str | Path) -> None:
+    """With the file transport, fail now unless ``weight_sync.dir`` has room for what the trainer
+    will keep there: three copies of the model's weights in ``trainer.publish_dtype`` (a 64 MB
+    container ``/dev/shm`` against ~11 GB for Qwen3-1.7B in bf16). A no-op for ``message``."""
+    if weight_sync.transport != "file":
+        return
+    import torch
+    from transformers import AutoConfig
+
+    from forge.generation.weight_sync import check_file_transport_space, checkpoint_spec, file_transport_bytes
+
+    config = AutoConfig.from_pretrained(model_dir)
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    dtype = getattr(torch, trainer.publish_dtype or trainer.dtype)
+    needed = file_transport_bytes(checkpoint_spec(model_dir), dtype, tied=tied)
+    check_file_transport_space(weight_sync.dir, needed)

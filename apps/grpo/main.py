@@ -1,6 +1,6 @@
 """GRPO on Monarch actors: a vLLM policy, a reference model, rewards, a trainer, a replay buffer.
 
-Run (the tiny model is made on the fly if missing; about 2 minutes on a 2-core CPU):
+Run (the tiny model is made on the fly if missing; run times in ``docs/benchmarks.md``):
 
     python -m apps.grpo.main --config configs/grpo_tiny.yaml
     python -m apps.grpo.main --config configs/grpo_tiny.yaml trainer.lr=3e-4 group_size=8
@@ -54,34 +54,28 @@ appended. A fresh run refuses an ``output_dir`` that already holds checkpoints.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import functools
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import forge.controller  # noqa: F401  (before anything imports monarch)
+from apps.common import cli
+from apps.common.evaluation import EvalPlan, EvalRuns
+from apps.common.weights import PolicyWeights
 from apps.grpo.faults import RoleWatch, resume_hint
 from apps.grpo.multiturn import MultiTurnRollouts
 from apps.grpo.roles import RoleFailed, Roles, prepare_model, start_roles, stop_roles
 from apps.grpo.rollouts import Rollouts
 from apps.grpo.run_log import RunLog
-from apps.grpo.training import checkpoint_to_resume, resume, resync_policy, train
-from forge.controller import ForgeError, quiet_monarch
+from apps.grpo.training import resume, train
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
 
 logger = logging.getLogger("forge.grpo")
-
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
 
 
 # ----------------------------------------------------------------------------- the run
@@ -90,8 +84,10 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
     from forge.controller.provisioner import add_fault_listener
 
     t_start = time.perf_counter()
-    record_config(cfg, terminal)
+    cli.record_config(cfg, terminal, "grpo")
     model_path = prepare_model(cfg)
+    plan = eval_plan(cfg, model_path)  # the held-out prompts are loaded and checked before any role starts
+    evals: EvalRuns | None = None
     watch = RoleWatch(cfg)
     add_fault_listener(watch)
     roles = Roles()
@@ -100,17 +96,22 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
     tasks: list[asyncio.Task] = []
     try:
         roles = await start_roles(cfg, model_path)
+        w = cfg.weight_sync
+        roles.weights = PolicyWeights(roles.trainer, roles.policy, w.transport, w.dir, cfg.faults.max_unhealthy_s)
         # A restarted policy replica loads the weights the others serve before it takes traffic.
-        roles.policy.set_resync(functools.partial(resync_policy, cfg, roles))
+        roles.policy.set_resync(roles.weights.resync)
         await watch.watch_actor("trainer", roles.trainer)
         step, version = (0, 0) if resume_from is None else await resume(cfg, roles, resume_from)
+        if plan is not None:  # the first evaluation: the weights training starts from
+            evals = EvalRuns(plan, roles.policy, cfg.eval.every)
+            await evals.now(step)
         startup_s = time.perf_counter() - t_start
-        log = RunLog(cfg, terminal, resume_after=None if resume_from is None else step)
+        log = RunLog(cfg, terminal, resume_after=None if resume_from is None else step, started=t_start)
         if cfg.env.cls:  # multi-turn: trajectories against the environment service (multiturn.py)
             rollouts = MultiTurnRollouts.from_config(cfg, roles)
         else:
             rollouts = Rollouts.from_config(cfg, roles)
-        training = asyncio.create_task(train(cfg, roles, rollouts, log, step, version), name="train")
+        training = asyncio.create_task(train(cfg, roles, rollouts, log, step, version, evals), name="train")
         watcher = asyncio.create_task(watch.failed.wait(), name="failure-watch")
         services = asyncio.create_task(watch.watch_services(roles.services()), name="service-watch")
         tasks = [training, watcher, services, *rollouts.start()]
@@ -133,6 +134,8 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if evals is not None:
+            await evals.close()
         if rollouts is not None:
             await rollouts.close()
         if log is not None:
@@ -141,101 +144,36 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         await stop_roles(roles)
 
 
-def record_config(cfg: GRPOConfig, terminal: Any) -> Path:
-    """Write the resolved config to ``<output_dir>/config.yaml`` and print what differs from the
-    defaults, so that a run's record says exactly what it trained with."""
-    import yaml
-
-    from forge.config import config_changes, config_to_yaml
-
-    out = Path(cfg.logging.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "config.yaml"
-    path.write_text(config_to_yaml(cfg))
-    changes = yaml.safe_dump(config_changes(cfg), sort_keys=False, default_flow_style=None).rstrip()
-    print(f"grpo: config (full: {path}); changed from the defaults:\n  " + changes.replace("\n", "\n  "), file=terminal)
-    return path
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m apps.grpo.main", description="GRPO training on Monarch actors (see the module docstring)."
+def eval_plan(cfg: GRPOConfig, model_path: str) -> EvalPlan | None:
+    """The run's held-out evaluation (``eval`` section), or None when ``eval.every`` is 0."""
+    if not cfg.eval.every:
+        return None
+    return EvalPlan.from_config(
+        cfg.eval,
+        cfg.data,
+        model_path,
+        temperature=cfg.policy.temperature,
+        max_tokens=cfg.policy.max_tokens,
+        reward_fns=dict(cfg.reward.fns),
     )
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/grpo_tiny.yaml")
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run in logging.output_dir from its newest checkpoint (<output_dir>/checkpoints, "
-        "written every trainer.checkpoint_every steps): same step numbers, metrics.jsonl appended",
-    )
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.lr=3e-4 group_size=8")
-    return parser.parse_intermixed_args(argv)
-
-
-class Terminated(Exception):
-    """SIGTERM arrived; the run was stopped cleanly."""
-
-
-async def _run_until_signalled(cfg: GRPOConfig, terminal: Any, resume_from: Path | None) -> str:
-    """``run``, with SIGTERM handled like Ctrl-C: cancel, stop every role, then exit."""
-    import signal
-
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    terminated = False
-
-    def on_sigterm() -> None:
-        nonlocal terminated
-        terminated = True
-        task.cancel()
-
-    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-    try:
-        return await run(cfg, terminal, resume_from)
-    except asyncio.CancelledError:
-        if terminated:
-            raise Terminated() from None
-        raise
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: returns the process exit code."""
-    quiet_monarch()
-    import monarch.config
+    """Entry point: returns the process exit code (``apps.common.cli``)."""
 
-    # Role processes linger after their actors stop (library threads); give them 1 s, not 10.
-    monarch.config.configure(process_exit_timeout="1s")
-    terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the progress bar bypasses the log filter
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = parse_args(argv)
-    from apps.grpo.config import GRPOConfig
-    from forge.config import ConfigError, load_config
+    def schema() -> type:
+        from apps.grpo.config import GRPOConfig
 
-    try:
-        cfg = load_config(GRPOConfig, args.config, args.overrides)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"grpo: bad config: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    try:
-        resume_from = checkpoint_to_resume(cfg, args.resume)
-    except (FileNotFoundError, FileExistsError) as exc:
-        print(f"grpo: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    try:
-        summary = asyncio.run(_run_until_signalled(cfg, terminal, resume_from))
-    except KeyboardInterrupt:
-        print("grpo: interrupted; every role was stopped", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Terminated:
-        print("grpo: terminated (SIGTERM); every role was stopped", file=sys.stderr)
-        return EXIT_TERMINATED
-    except (RoleFailed, ForgeError, RuntimeError, FileNotFoundError, ValueError) as exc:
-        print(f"grpo: FAILED: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    print(summary, flush=True)
-    return 0
+        return GRPOConfig
+
+    return cli.main(
+        "grpo",
+        schema,
+        run,
+        argv,
+        description="GRPO training on Monarch actors (see the module docstring).",
+        failures=(RoleFailed,),
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The GRPO app's roles: start them (each on its own processes, GPUs split between them), stop
-them, and name the role when a call to it fails."""
+"""The GRPO app's roles: start them (each on its own processes, GPUs split between them) and stop
+them. (A failed call names its role: ``apps.common.roles``.)"""
 
 from __future__ import annotations
 
@@ -11,54 +11,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from apps.common.roles import POLICY_ENV, QUIET_ENV, ROLE_ENV, SERVICE_ROLES, RoleFailed, call_role
 from forge.controller import ForgeActor
 from forge.controller.errors import describe
 
+__all__ = ["ROLE_ENV", "SERVICE_ROLES", "RoleFailed", "Roles", "call_role", "start_roles", "stop_roles"]
+
 if TYPE_CHECKING:
+    from apps.common.weights import PolicyWeights
     from apps.grpo.config import GRPOConfig
     from forge.actors.trainer import TrainerConfig
+    from forge.data.datasets import DataSource
 
 logger = logging.getLogger("forge.grpo")
 
 
-class RoleFailed(Exception):
-    """A call to a role (policy, reference, reward, trainer, buffer, dataset) failed, or the role
-    is gone for good; ``error`` is forge's error for the failed call, if there was one."""
-
-    def __init__(self, role: str, error: BaseException | str) -> None:
-        detail = error if isinstance(error, str) else describe(error, limit=600, typed=True)
-        super().__init__(f"role '{role}' failed: {detail}")
-        self.role = role
-        self.detail = detail
-        self.error = error if isinstance(error, BaseException) else None
-
-    @property
-    def recoverable(self) -> bool:
-        """Whether a service replica died or was restarting under the call (the service
-        restarts it), rather than the role's own code failing: the call may be made again."""
-        from forge.controller import NoHealthyReplica, ReplicaFailed, RequestTimeout
-
-        return self.role in SERVICE_ROLES and isinstance(self.error, (ReplicaFailed, NoHealthyReplica, RequestTimeout))
-
-
-SERVICE_ROLES = ("policy", "reference", "reward", "env")
-"""The roles started as services: their replicas restart (``faults``) and the run goes on."""
-
-ROLE_ENV = "FORGE_GRPO_ROLE"
-"""Set to the role's name in each role's processes, so that tools (``ps e``, psutil, the
-fault tests) can tell them apart."""
-
-
 # ----------------------------------------------------------------------------- roles
-@dataclass
-class ServedWeights:
-    """The weights every policy replica should serve; a restarted replica loads them before it
-    takes traffic. ``weights`` is a state dict or a safetensors path; None: the model's own."""
-
-    weights: Any = None
-    version: int = 0
-
-
 @dataclass
 class Roles:
     """Handles of every role; services are routed, actors are called with ``call_one``."""
@@ -72,8 +40,8 @@ class Roles:
     env: Any = None
     """The environment service of multi-turn runs (``env.cls``); None for single-turn ones."""
     local: list[Any] = field(default_factory=list)
-    served: ServedWeights = field(default_factory=ServedWeights)
-    """What the policy replicas serve now (set by each weight push)."""
+    weights: PolicyWeights | None = None
+    """The trainer -> policy weight sync, and what the policy replicas serve now."""
     host_pool: Any = None
     """The ``hosts`` section's pool (its job is killed after the roles stop); None: this host."""
 
@@ -118,24 +86,14 @@ async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
     trainer_cfg = trainer_config(cfg, model_path)
     dataset_cfg = DatasetConfig(
         source=cfg.data.source,
-        path=cfg.data.path,
+        records=records_source(cfg.data),
         prompt_template=cfg.data.prompt_template,
+        chat_model=model_path if cfg.data.chat_template else None,
         seed=cfg.seed,
         options=dict(cfg.data.options),
     )
-    # Libraries' progress bars and notices stay off the terminal unless a role's env says
-    # otherwise; vLLM also gets one OpenMP thread (more were never faster for small models on
-    # shared cores).
-    quiet = {
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "TORCH_CPP_LOG_LEVEL": "ERROR",
-        "VLLM_LOGGING_LEVEL": "ERROR",  # any role that imports forge.generation imports vLLM
-        "PYTHONWARNINGS": (
-            "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning:multiprocessing.resource_tracker"
-        ),
-    }
-    policy_env = {**quiet, "OMP_NUM_THREADS": "1"}
+    quiet = QUIET_ENV
+    policy_env = POLICY_ENV
     roles = Roles()
 
     gpus = assign_gpus(cfg)
@@ -239,7 +197,15 @@ def trainer_config(cfg: GRPOConfig, model_path: str) -> TrainerConfig:
         checkpoint_dir=cfg.checkpoint_dir if t.checkpoint_every else None,
         stop_token_ids=list(cfg.policy.stop_token_ids),  # the loss trains nothing past the policy's stop
         max_response_tokens=cfg.max_response_tokens,  # dr_grpo's constant length
+        total_steps=cfg.steps,  # where a decaying lr_schedule reaches 0
     )
+
+
+def records_source(section: Any) -> DataSource:
+    """The ``forge.data.DataSource`` fields of a config section (a ``data`` or ``eval.data``)."""
+    from forge.data.datasets import DataSource
+
+    return DataSource(**settings(section, DataSource))
 
 
 def settings(section: Any, settings_cls: type) -> dict[str, Any]:
@@ -250,7 +216,9 @@ def settings(section: Any, settings_cls: type) -> dict[str, Any]:
 GPU_ROLES = ("policy", "reference", "reward", "trainer")
 
 
-def assign_gpus(cfg: GRPOConfig, visible: list[str] | None = None) -> dict[str, list[str] | None]:
+def assign_gpus(
+    cfg: Any, visible: list[str] | None = None, roles: tuple[str, ...] = GPU_ROLES
+) -> dict[str, list[str] | None]:
     """Each role's GPU ids, passed to its processes explicitly (``ActorOptions(gpus=...)``).
 
     A role whose section lists ``gpus`` gets exactly those; roles may list the same ids to share
@@ -258,11 +226,11 @@ def assign_gpus(cfg: GRPOConfig, visible: list[str] | None = None) -> dict[str, 
     disjoint slices, in role order, of the ``visible`` devices (default: the ``hosts`` section's
     ``gpus_per_host``, else ``CUDA_VISIBLE_DEVICES`` or all) that no role lists. A role needs
     ``procs x gpus_per_proc x num_replicas`` ids (the trainer has one replica); over several hosts
-    the same ids are used on each host.
+    the same ids are used on each host. ``roles``: the config's sections that may take GPUs.
     """
     need: dict[str, int] = {}
-    out: dict[str, list[str] | None] = dict.fromkeys(GPU_ROLES)
-    for role in GPU_ROLES:
+    out: dict[str, list[str] | None] = dict.fromkeys(roles)
+    for role in roles:
         section = getattr(cfg, role)
         n = section.procs * section.gpus_per_proc * (section.num_replicas if role != "trainer" else 1)
         if section.gpus is not None:
@@ -319,32 +287,66 @@ async def stop_roles(roles: Roles, timeout_s: float = 60.0) -> None:
             logger.warning("the hosts' job did not stop cleanly: %s", exc)
 
 
-async def call_role(role: str, awaitable: Any) -> Any:
-    """Await a call to ``role``; any failure becomes ``RoleFailed`` naming the role."""
-    try:
-        return await awaitable
-    except asyncio.CancelledError:
-        raise
-    except RoleFailed:
-        raise
-    except Exception as exc:
-        from forge.controller.replica import translate_error
-
-        raise RoleFailed(role, translate_error(exc, role)) from exc
-
-
 def prepare_model(cfg: GRPOConfig) -> str:
     """The checkpoint folder; makes the tiny model there first if the config asks for it. Checks
     that the file transport's folder has room for the model's weights before any role starts."""
-    path = Path(cfg.model.path)
-    if cfg.model.tiny.make_if_missing:
+    path = make_model(cfg.model)
+    cfg.check_weight_sync_space(path)
+    prepare_data(cfg.data)
+    return str(path.resolve())
+
+
+def make_model(section: Any) -> Path:
+    """The ``model`` section's checkpoint folder; the tiny model is made there first if the
+    section asks for it (``tiny.make_if_missing``)."""
+    path = Path(section.path)
+    if section.tiny.make_if_missing:
         from forge.models import make_tiny_model
 
-        t = cfg.model.tiny
+        t = section.tiny
         make_tiny_model(
             path, arch=t.arch, hidden_size=t.hidden_size, num_layers=t.num_layers, seed=t.seed, init_std=t.init_std
         )
     elif not path.is_dir():
         raise FileNotFoundError(f"model.path {str(path)!r} is not a folder; point it at a Hugging Face checkpoint")
-    cfg.check_weight_sync_space(path)
-    return str(path.resolve())
+    check_tokenizer(path, section.tokenizer)
+    return path
+
+
+def check_tokenizer(model_path: Path, expected: str = "") -> None:
+    """``model_path``'s tokenizer fits its embeddings and, if ``expected`` names a folder, is the
+    same as that folder's (vocabulary, special tokens, chat template); a ``ValueError`` naming
+    both otherwise. A checkpoint trained with another tokenizer reads every prompt as other tokens."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rows = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"model.path {str(model_path)!r}: its tokenizer has {len(tokenizer)} tokens but its embeddings only "
+            f"{rows} rows; the tokenizer is not the model's"
+        )
+    if not expected:
+        return
+    other = AutoTokenizer.from_pretrained(expected)
+    mine, theirs = tokenizer.get_vocab(), other.get_vocab()
+    differences = [f"{len(mine)} tokens vs {len(theirs)}"] if len(mine) != len(theirs) else []
+    differences += [f"{t!r} is id {mine[t]} vs {theirs.get(t)}" for t in sorted(mine) if mine[t] != theirs.get(t)][:3]
+    for name in ("eos_token", "pad_token", "bos_token", "chat_template"):
+        if getattr(tokenizer, name, None) != getattr(other, name, None):
+            differences.append(f"{name} {getattr(tokenizer, name, None)!r} vs {getattr(other, name, None)!r}")
+    if differences:
+        raise ValueError(
+            f"model.path {str(model_path)!r} has another tokenizer than model.tokenizer {expected!r}: "
+            + "; ".join(differences[:4])
+            + ". Train the checkpoint from that tokenizer's model, or point model.tokenizer at its own"
+        )
+
+
+def prepare_data(section: Any) -> None:
+    """Write a generated task's records at ``section.path`` if it names one and nothing is there
+    (``data.make_if_missing``)."""
+    if section.make_if_missing and section.path:
+        from forge.data.arithmetic import make_task_data
+
+        make_task_data(section.path, dict(section.make_if_missing))

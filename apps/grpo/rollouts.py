@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from apps.grpo.roles import RoleFailed, Roles, call_role
+from forge.checks import check_int
 from forge.controller import Batcher, Batching
 
 if TYPE_CHECKING:
@@ -71,10 +72,7 @@ class DynamicSampling:
     """
 
     def __init__(self, enabled: bool = False, max_dropped_per_step: int = 0) -> None:
-        if isinstance(max_dropped_per_step, bool) or not isinstance(max_dropped_per_step, int):
-            raise ValueError(f"max_dropped_per_step must be an integer >= 0, got {max_dropped_per_step!r}")
-        if max_dropped_per_step < 0:
-            raise ValueError(f"max_dropped_per_step must be >= 0, got {max_dropped_per_step}")
+        check_int("max_dropped_per_step", max_dropped_per_step, 0)
         self.enabled = enabled
         self.max_dropped_per_step = max_dropped_per_step
         self.finished = 0  # groups finished since the last end_step

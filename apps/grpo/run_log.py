@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from apps.common.step_log import wandb_options
 from apps.grpo.roles import RoleFailed, Roles, call_role
 
 if TYPE_CHECKING:
@@ -20,15 +22,19 @@ logger = logging.getLogger("forge.grpo")
 class RunLog:
     """Per-step metrics: the roles' records and the step's own, reduced, to every sink."""
 
-    def __init__(self, cfg: GRPOConfig, terminal: Any, resume_after: int | None = None) -> None:
+    def __init__(
+        self, cfg: GRPOConfig, terminal: Any, resume_after: int | None = None, started: float | None = None
+    ) -> None:
         """``resume_after``: the checkpoint's step when resuming; the earlier steps' rows are
-        kept (and count in the summary), later ones dropped. None starts a fresh record."""
+        kept (and count in the summary), later ones dropped. None starts a fresh record.
+        ``started``: the run's start (``time.perf_counter``), from which each row's ``wall_s`` counts."""
         from forge.observability import MetricAggregator, make_sinks
 
         self.cfg = cfg
+        self.started = time.perf_counter() if started is None else started
         self.out = Path(cfg.logging.output_dir)
         self.aggregator = MetricAggregator()
-        self.sinks = make_sinks(list(cfg.logging.sinks), self.out, resume_after)
+        self.sinks = make_sinks(list(cfg.logging.sinks), self.out, resume_after, wandb=wandb_options(cfg))
         if "console" in cfg.logging.sinks:
             logging.getLogger("forge.metrics").setLevel(logging.INFO)
         self.metrics_path = self.out / "metrics.jsonl"
@@ -38,6 +44,7 @@ class RunLog:
         if resume_after is not None:
             self.rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines()]
         self.bar = None
+        self.last_eval: float | None = None
         if cfg.logging.progress_bar:
             from tqdm import tqdm
 
@@ -72,15 +79,19 @@ class RunLog:
             totals = svc.metrics()
             self.aggregator.record(f"restarts/{role}", float(totals["restarts"]), "last")
             self.aggregator.record(f"retried/{role}", float(totals["retried"]), "last")
+        self.aggregator.record("wall_s", time.perf_counter() - self.started, "last")  # since the run started
         row = self.aggregator.flush(step)
         self.rows.append(row)
         for sink in self.sinks:
             sink.log(step, row)
         if self.bar is not None:
+            if "eval/accuracy" in row:
+                self.last_eval = row["eval/accuracy"]
             self.bar.set_postfix(
                 reward=f"{row['reward_mean']:.3f}",
                 loss=f"{row['loss']:.4f}",
                 step_s=f"{row['step_time_s']:.2f}",
+                **({} if self.last_eval is None else {"eval_acc": f"{self.last_eval:.3f}"}),
                 refresh=False,
             )
             self.bar.update(1)
@@ -122,7 +133,24 @@ class RunLog:
             return None
         from forge.observability import plot_run
 
-        return plot_run(self.metrics_path, self.out / "reward_loss.png", keys=("reward_mean", "loss", "kl"))
+        return plot_run(
+            self.metrics_path,
+            self.out / "reward_loss.png",
+            keys=("reward_mean", "loss", "kl"),
+            beside={"reward_mean": ["eval/accuracy"]},  # held-out accuracy next to the training reward
+        )
+
+    def eval_summary(self) -> str:
+        """The held-out accuracy at the first and the last evaluation, e.g. ``"held-out accuracy
+        0.210 -> 0.455 (step 0 -> 200); "``; empty without evaluations."""
+        evals = [r for r in self.rows if isinstance(r.get("eval/accuracy"), (int, float))]
+        if not evals:
+            return ""
+        first, last = evals[0], evals[-1]
+        return (
+            f"held-out accuracy {first['eval/accuracy']:.3f} -> {last['eval/accuracy']:.3f} "
+            f"(step {first.get('eval/step', 0):.0f} -> {last.get('eval/step', 0):.0f}); "
+        )
 
     def summary(self, elapsed_s: float, startup_s: float) -> str:
         rewards = [r["reward_mean"] for r in self.rows]
@@ -134,7 +162,7 @@ class RunLog:
         return (
             f"grpo: {len(rewards)} steps{resumed} in {elapsed_s:.1f}s (startup {startup_s:.1f}s); "
             f"reward first-{k} {first:.3f} -> last-{k} {last:.3f}; final loss {self.rows[-1]['loss']:.4f}; "
-            f"{self.uniform_groups_summary()}metrics {self.metrics_path}"
+            f"{self.eval_summary()}{self.uniform_groups_summary()}metrics {self.metrics_path}"
         )
 
     def uniform_groups_summary(self) -> str:

@@ -8,18 +8,24 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from apps.grpo.roles import RoleFailed, Roles, ServedWeights, call_role
+from apps.grpo.roles import Roles, call_role
 from apps.grpo.rollouts import Rollouts, rewards_uniform
-from forge.checkpoint import latest_checkpoint
 from forge.distributed import call_spmd  # the trainer is one SPMD mesh: every rank gets each call
 
 if TYPE_CHECKING:
+    from apps.common.evaluation import EvalRuns
     from apps.grpo.config import GRPOConfig
     from apps.grpo.run_log import RunLog
 
 
 async def train(
-    cfg: GRPOConfig, roles: Roles, rollouts: Rollouts, log: RunLog, after_step: int = 0, version: int = 0
+    cfg: GRPOConfig,
+    roles: Roles,
+    rollouts: Rollouts,
+    log: RunLog,
+    after_step: int = 0,
+    version: int = 0,
+    evals: EvalRuns | None = None,
 ) -> None:
     """The step loop: wait for a batch, one optimizer step, weight sync, log, checkpoint.
 
@@ -28,10 +34,16 @@ async def train(
     and is awaited before the next sync. With ``max_policy_age=0`` it is awaited at once.
     A resumed run starts after ``after_step`` with the policy at ``version``. A step is logged
     before it is checkpointed, so every checkpointed step is in ``metrics.jsonl``.
+
+    ``evals``: held-out evaluations. One starts in the background once a due step's weights
+    reach the policy (rollouts go on beside it); the last step's runs before that step is
+    logged, so the final row holds the final model's figures.
     """
     from forge.types import EpisodeBatch
 
     pushing: asyncio.Task | None = None
+    if after_step == 0:  # a fresh run lists only its own exports
+        (Path(cfg.logging.output_dir) / "exports" / "index.jsonl").unlink(missing_ok=True)
     try:
         for step in range(after_step + 1, cfg.steps + 1):
             t0 = time.perf_counter()
@@ -41,12 +53,17 @@ async def train(
             stats = await call_role("trainer", call_spmd(roles.trainer.train_step, batch))
             t2 = time.perf_counter()
             version = int(stats["policy_version"])
-            weights = await fetch_weights(cfg, roles)
+            weights = await roles.weights.fetch()
             if pushing is not None:
                 await pushing
-            pushing = asyncio.create_task(push_weights(cfg, roles, *weights), name=f"push-weights-v{version}")
+            pushing = asyncio.create_task(roles.weights.push(*weights), name=f"push-weights-v{version}")
             if cfg.max_policy_age == 0:
                 await pushing
+            if evals is not None and step == cfg.steps:
+                await pushing
+                await evals.now(step)
+            elif evals is not None and evals.due(step):
+                evals.start(step, pushing)
             t3 = time.perf_counter()
             await log.step(
                 step,
@@ -72,11 +89,14 @@ async def train(
                     "sync_wait_s": t3 - t2,
                     **sampling_metrics(rollouts, groups),
                     **group_counts(rollouts),
+                    **(evals.collect(t3 - t0) if evals is not None else {}),
                 },
                 roles,
             )
             if checkpoint_due(cfg, step):
                 await save_checkpoint(roles, step)
+            if cfg.trainer.export_every and step % cfg.trainer.export_every == 0:
+                await export_step(cfg, roles, step, log.started)
         if pushing is not None:
             await pushing
         if cfg.trainer.export_final_model:
@@ -139,86 +159,13 @@ def group_counts(rollouts: Rollouts) -> dict[str, float]:
                 "groups/trained": b.sampled,
                 "groups/dropped_stale": b.dropped_stale,
                 "groups/dropped_full": b.dropped_full,
-                "groups/duplicates": b.duplicates + c.refused,
+                # Each refusal is in both books (the buffer's and the rollouts'): count it once.
+                "groups/duplicates": c.refused,
                 "groups/buffered": b.size,
                 "groups/unaccounted": b.added - b.sampled - b.evicted - b.size,
             }
         )
     return {k: float(v) for k, v in counts.items()}
-
-
-async def fetch_weights(cfg: GRPOConfig, roles: Roles) -> tuple[Any, int]:
-    """The trainer's current weights, as the configured transport carries them, and their version."""
-    if cfg.weight_sync.transport == "file":
-        return await call_role("trainer", call_spmd(roles.trainer.publish_weights, cfg.weight_sync.dir))
-    return await call_role("trainer", call_spmd(roles.trainer.weights))
-
-
-async def push_weights(cfg: GRPOConfig, roles: Roles, weights: Any, version: int) -> int:
-    """Load ``weights`` (a state dict or a file path) into every healthy policy replica.
-
-    They become ``roles.served`` first, so a replica that is restarting meanwhile loads them
-    in its resync (``resync_policy``). A replica that dies while loading them does not fail the
-    sync: it restarts and resyncs, and the sync waits only for the replicas that are alive.
-    """
-    from forge.observability import record_metric
-
-    t0 = time.perf_counter()
-    roles.served = ServedWeights(weights, version)
-    try:
-        await call_role("policy", roles.policy.update_weights.fanout(weights, version))
-    except RoleFailed as exc:
-        if not exc.recoverable:
-            raise
-        record_metric("weight_sync/interrupted", 1, "sum")
-        await _loads_finished(roles, exc)
-    record_metric("weight_sync/push_s", time.perf_counter() - t0)
-    return version
-
-
-async def _loads_finished(roles: Roles, interrupted: RoleFailed, tries: int = 5) -> None:
-    """Wait until the live policy replicas have run their weight loads of an interrupted sync.
-
-    The gather of the interrupted fanout gave up at the first dead replica, but the other
-    replicas' loads still run; a replica handles one message at a time, so a ``version`` call
-    answered by each live replica comes after its load.
-    """
-    from forge.controller import NoHealthyReplica
-
-    for _ in range(tries):
-        try:
-            await call_role("policy", roles.policy.version.fanout())
-            return
-        except RoleFailed as exc:
-            if not exc.recoverable or isinstance(exc.error, NoHealthyReplica):
-                return  # none is alive: each one resyncs as it comes back
-            interrupted = exc  # another replica died meanwhile: ask the live ones again
-    raise interrupted
-
-
-async def resync_policy(cfg: GRPOConfig, roles: Roles, actor_mesh: Any) -> None:
-    """A restarted policy replica's step before it takes traffic: load the served weights.
-
-    If a new version is pushed while it loads (the push skips replicas that are not healthy
-    yet), it loads that one too, so it rejoins at the current version.
-    """
-    from forge.observability import record_metric
-
-    loaded = 0  # a fresh engine serves the model's own weights, version 0
-    for _ in range(5):
-        served = roles.served
-        if served.weights is None or served.version == loaded:
-            return
-        timeout = cfg.faults.max_unhealthy_s
-        await asyncio.wait_for(actor_mesh.update_weights.call(served.weights, served.version), timeout)
-        loaded = served.version
-        record_metric("weight_sync/resyncs", 1, "sum")
-        record_metric("weight_sync/resync_version", loaded, "last")
-
-
-async def sync_weights(cfg: GRPOConfig, roles: Roles) -> int:
-    """Publish the trainer's weights to every policy replica and wait; returns their version."""
-    return await push_weights(cfg, roles, *(await fetch_weights(cfg, roles)))
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -229,32 +176,22 @@ async def export_final_model(cfg: GRPOConfig, roles: Roles) -> str:
     return await call_role("trainer", call_spmd(roles.trainer.export_model, folder))
 
 
+async def export_step(cfg: GRPOConfig, roles: Roles, step: int, started: float) -> str:
+    """The weights of step ``step`` as a Hugging Face folder under ``<output_dir>/exports``, listed
+    in ``exports/index.jsonl`` with the wall seconds since the run started when it was written."""
+    import json
+
+    root = Path(cfg.logging.output_dir) / "exports"
+    folder = await call_role("trainer", call_spmd(roles.trainer.export_model, str(root / f"step_{step:08d}")))
+    with open(root / "index.jsonl", "a", encoding="utf-8") as index:
+        index.write(json.dumps({"step": step, "wall_s": time.perf_counter() - started, "path": folder}) + "\n")
+    return folder
+
+
 def checkpoint_due(cfg: GRPOConfig, step: int) -> bool:
     """Every ``trainer.checkpoint_every`` steps, and at the last step."""
     every = cfg.trainer.checkpoint_every
     return every > 0 and (step % every == 0 or step == cfg.steps)
-
-
-def checkpoint_to_resume(cfg: GRPOConfig, resume: bool) -> Path | None:
-    """The newest complete checkpoint of the run when ``resume``; None for a fresh run.
-
-    ``--resume`` without a checkpoint is an error naming the folder searched. So is a fresh run
-    in an ``output_dir`` that holds checkpoints: it would truncate that run's metrics and a
-    later ``--resume`` could pick up the earlier run's newer checkpoints.
-    """
-    root = Path(cfg.checkpoint_dir)
-    found = latest_checkpoint(root)
-    if resume and found is None:
-        raise FileNotFoundError(
-            f"--resume found no complete checkpoint under {root}; a run writes them there "
-            "when trainer.checkpoint_every > 0"
-        )
-    if not resume and found is not None:
-        raise FileExistsError(
-            f"{root} holds checkpoints of an earlier run (newest {found.name}); add --resume to "
-            "continue it, or set another logging.output_dir"
-        )
-    return found
 
 
 async def save_checkpoint(roles: Roles, step: int) -> None:
@@ -276,5 +213,5 @@ async def resume(cfg: GRPOConfig, roles: Roles, path: Path) -> tuple[int, int]:
     """
     step, version, extra = await call_role("trainer", call_spmd(roles.trainer.load_checkpoint, str(path)))
     await call_role("dataset", roles.dataset.seek.call_one(int(extra.get("dataset_position", 0))))
-    await sync_weights(cfg, roles)
+    await roles.weights.sync()
     return step, version

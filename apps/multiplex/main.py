@@ -1,6 +1,6 @@
 """Many models behind one service: score answers under several tiny checkpoints, batched per model.
 
-Run (about 30 s on a 2-core CPU; the models are made on the fly in a temporary folder):
+Run (the models are made on the fly in a temporary folder):
 
     python -m apps.multiplex.main
     python -m apps.multiplex.main --models 8 --replicas 3 --max-models 2 --requests 1000

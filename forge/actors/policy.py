@@ -36,7 +36,7 @@ import torch
 from forge.controller import Batching, ForgeActor, KeyAffinity, endpoint
 from forge.controller.routing import RouteRequest
 from forge.observability import record_metric
-from forge.types import Completion, Group, Prompt, TurnRequest, TurnResult
+from forge.types import Completion, Group, Prompt, SampleRequest, TurnRequest, TurnResult
 
 __all__ = [
     "PackedGroups",
@@ -232,7 +232,6 @@ class Policy(ForgeActor):
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
         self.engine: Any = None  # forge.generation.VllmEngine or AsyncVllmEngine, made in setup
-        self.stats = {"batches": 0, "prompts": 0, "tokens": 0, "generate_s": 0.0, "update_s": 0.0}
 
     @endpoint
     async def setup(self) -> None:
@@ -272,6 +271,19 @@ class Policy(ForgeActor):
         record_metric("policy/tokens", sum(int(c.token_ids.numel()) for group in outputs for c in group), "sum")
         return PackedGroups.pack(prompts, outputs, cfg.group_size, self.engine.version)
 
+    @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, key=lambda r: r.settings, debatch="unpack_groups"))
+    async def sample(self, requests: list[SampleRequest]) -> PackedGroups:
+        """``n`` completions of each request's prompt at its own settings (one engine call; a
+        batch holds requests of equal ``(n, temperature, max_tokens)``): held-out evaluation
+        beside training, on the weights being served. Through the service each caller gets a
+        ``Group`` of ``n`` completions."""
+        n, temperature, max_tokens = requests[0].settings
+        prompts = [r.prompt for r in requests]
+        outputs = await self._sample(
+            [p.text for p in prompts], n, "policy/sample_batch", temperature=temperature, max_tokens=max_tokens
+        )
+        return PackedGroups.pack(prompts, outputs, n, self.engine.version)
+
     @staticmethod
     def unpack_turns(packed: PackedTurns, n: int) -> list[TurnResult]:
         """``generate_turn``'s debatch: the packed batch -> one ``TurnResult`` per caller."""
@@ -294,27 +306,32 @@ class Policy(ForgeActor):
             policy_version=self.engine.version,
         )
 
-    async def _sample(self, inputs: list[Any], n: int, batch_metric: str) -> list[list[Completion]]:
-        """``n`` samples of each input (text or token ids) at the configured sampling settings,
-        counted in ``stats`` and the batch-size metric ``batch_metric``."""
+    async def _sample(
+        self,
+        inputs: list[Any],
+        n: int,
+        batch_metric: str,
+        *,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+    ) -> list[list[Completion]]:
+        """``n`` samples of each input (text or token ids) at the configured sampling settings
+        (or the given ``temperature``/``max_tokens``), counted in the batch-size metric
+        ``batch_metric`` and ``policy/generate_s``."""
         cfg = self.config
         t0 = time.perf_counter()
         outputs = await _settle(
             self.engine.generate(
                 inputs,
                 n=n,
-                temperature=cfg.temperature,
-                max_tokens=cfg.max_tokens,
+                temperature=cfg.temperature if temperature is None else temperature,
+                max_tokens=cfg.max_tokens if max_tokens is None else max_tokens,
                 top_p=cfg.top_p,
                 stop=cfg.stop,
                 stop_token_ids=list(cfg.stop_token_ids),
             )
         )
         seconds = time.perf_counter() - t0
-        self.stats["generate_s"] += seconds
-        self.stats["batches"] += 1
-        self.stats["prompts"] += len(inputs)
-        self.stats["tokens"] += sum(int(c.token_ids.numel()) for group in outputs for c in group)
         record_metric(batch_metric, len(inputs))
         record_metric("policy/generate_s", seconds, "sum")
         return outputs
@@ -360,7 +377,6 @@ class Policy(ForgeActor):
         else:
             await _settle(self.engine.update_weights(state_dict, version))
         seconds = time.perf_counter() - t0
-        self.stats["update_s"] += seconds
         record_metric("policy/update_weights_s", seconds, "sum")
         return version
 
@@ -374,11 +390,6 @@ class Policy(ForgeActor):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
-
-    @endpoint
-    async def engine_stats(self) -> dict[str, float]:
-        """Counters: batches, prompts, tokens generated, seconds in generate and in updates."""
-        return dict(self.stats)
 
 
 def _unpacked(packed: Any, n: int, endpoint_name: str, items: str, callers: str) -> list[Any]:

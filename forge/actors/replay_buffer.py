@@ -23,6 +23,7 @@ import collections
 import dataclasses
 from dataclasses import dataclass
 
+from forge.checks import check_int
 from forge.controller import ForgeActor, endpoint
 from forge.types import EpisodeBatch, EpisodeGroups
 
@@ -92,10 +93,9 @@ class GroupBuffer:
     """
 
     def __init__(self, max_policy_age: int, capacity: int | None = None) -> None:
-        if isinstance(max_policy_age, bool) or not isinstance(max_policy_age, int) or max_policy_age < 0:
-            raise ValueError(f"max_policy_age must be an integer >= 0, got {max_policy_age!r}")
-        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
-            raise ValueError(f"capacity must be an integer >= 1 or None, got {capacity!r}")
+        check_int("max_policy_age", max_policy_age, 0)
+        if capacity is not None:
+            check_int("capacity (or None)", capacity, 1)
         self.max_policy_age = max_policy_age
         self.capacity = capacity
         self._groups: collections.deque[EpisodeBatch] = collections.deque()

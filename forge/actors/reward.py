@@ -14,14 +14,13 @@ the rest of the batch is scored normally.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 
 from forge.controller import Batching, ForgeActor, endpoint
 from forge.observability import record_metric
 from forge.types import Prompt
 
-__all__ = ["RewardActor", "RewardFn", "resolve_reward"]
+__all__ = ["RewardActor", "RewardFn", "WeightedReward", "resolve_reward"]
 
 RewardFn = Callable[[Prompt, str], float]
 
@@ -29,11 +28,9 @@ RewardFn = Callable[[Prompt, str], float]
 def resolve_reward(name: str) -> RewardFn:
     """The reward function called ``name``: a registry name or ``"module:function"``."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"reward function {name!r} cannot be imported: {exc}") from exc
+        from forge.plugins import import_object
+
+        fn = import_object(name, "reward function", "function")
         if not callable(fn):
             raise ValueError(f"reward function {name!r} is not callable")
         return fn
@@ -42,8 +39,13 @@ def resolve_reward(name: str) -> RewardFn:
     return get_reward(name)
 
 
-class RewardActor(ForgeActor):
-    """Scores pairs with the weighted sum of its reward functions."""
+class WeightedReward:
+    """The weighted sum of named reward functions, as one callable ``(prompt, text) -> float``.
+
+    The reward actor scores with it, and so does held-out evaluation (``forge.evaluation``), so
+    that a number means the same thing in both. A function that raises on one pair fails that
+    pair alone: ``score_one`` returns the error instead of raising it.
+    """
 
     def __init__(self, reward_fns: Mapping[str, float] | Sequence[str]) -> None:
         if isinstance(reward_fns, Mapping):
@@ -51,20 +53,10 @@ class RewardActor(ForgeActor):
         else:
             self.weights = {str(name): 1.0 for name in reward_fns}
         if not self.weights:
-            raise ValueError("RewardActor needs at least one reward function")
-        self.fns: dict[str, RewardFn] = {}
-
-    @endpoint
-    async def setup(self) -> None:
+            raise ValueError("a reward needs at least one reward function")
         self.fns = {name: resolve_reward(name) for name in self.weights}
 
-    @endpoint(batch=Batching(max_size=512, max_wait_s=0.002))
-    async def score(self, items: list[tuple[Prompt, str]]) -> list[float | Exception]:
-        """The reward of each (prompt, response text) pair; a failing pair fails alone."""
-        record_metric("reward/batch_size", len(items))
-        return [self._score_one(prompt, text) for prompt, text in items]
-
-    def _score_one(self, prompt: Prompt, text: str) -> float | Exception:
+    def score_one(self, prompt: Prompt, text: str) -> float | Exception:
         total = 0.0
         for name, fn in self.fns.items():
             try:
@@ -72,3 +64,29 @@ class RewardActor(ForgeActor):
             except Exception as exc:  # reported to this pair's caller only
                 return ValueError(f"reward function {name!r} failed on prompt {prompt.prompt_id!r}: {exc!r}")
         return total
+
+    def __call__(self, prompt: Prompt, text: str) -> float:
+        score = self.score_one(prompt, text)
+        if isinstance(score, Exception):
+            raise score
+        return score
+
+
+class RewardActor(ForgeActor):
+    """Scores pairs with the weighted sum of its reward functions (``WeightedReward``)."""
+
+    def __init__(self, reward_fns: Mapping[str, float] | Sequence[str]) -> None:
+        self.reward_fns = reward_fns
+        self.reward: WeightedReward | None = None
+        if not reward_fns:
+            raise ValueError("RewardActor needs at least one reward function")
+
+    @endpoint
+    async def setup(self) -> None:
+        self.reward = WeightedReward(self.reward_fns)
+
+    @endpoint(batch=Batching(max_size=512, max_wait_s=0.002))
+    async def score(self, items: list[tuple[Prompt, str]]) -> list[float | Exception]:
+        """The reward of each (prompt, response text) pair; a failing pair fails alone."""
+        record_metric("reward/batch_size", len(items))
+        return [self.reward.score_one(prompt, text) for prompt, text in items]

@@ -35,7 +35,9 @@ its own state as ``extra``.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,15 +56,15 @@ from forge.distributed import (
     shard_model,
     shutdown_spmd,
 )
-from forge.losses import grpo_loss, trainable_lengths
-from forge.losses.grpo import check_loss_type
+from forge.losses import grpo_loss, sft_loss, trainable_lengths
+from forge.losses.grpo import LOSS_NORMALISERS, check_loss_type
 from forge.models import PaddedBatch, forward_tokens, pack_right_padded, padded_token_logprobs
-from forge.types import Episode, EpisodeBatch
+from forge.types import Episode, EpisodeBatch, SFTBatch, SFTExample
 
 if TYPE_CHECKING:
     from forge.generation.weight_files import WeightFiles
 
-__all__ = ["Trainer", "TrainerConfig", "TrainerSettings"]
+__all__ = ["GRPOLossSettings", "OptimizerSettings", "Trainer", "TrainerConfig", "TrainerSettings"]
 
 _TIED_HEAD = "lm_head.weight"
 # Statistics that are means over tokens; ``*_max`` ones are maxima; the rest (``loss``,
@@ -70,41 +72,26 @@ _TIED_HEAD = "lm_head.weight"
 _TOKEN_MEANS = frozenset({"kl", "clip_fraction", "ratio_mean", "mismatch_mean"})
 
 
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
 @dataclass(kw_only=True)
-class TrainerSettings:
-    """The trainer's optimizer, loss and numerics: what a user tunes (an app's config embeds it)."""
+class OptimizerSettings:
+    """The trainer's optimizer, schedule and numerics, whatever the loss: what a user tunes for
+    SFT and GRPO alike (an app's config embeds it)."""
 
     lr: float = 1e-3
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak, after ``warmup_steps``)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Optimizer steps over which the learning rate rises linearly from ~0 to ``lr``."""
+    lr_schedule: str = "constant"
+    """After warmup: ``constant``, or ``linear``/``cosine`` decay to 0 at the run's last step."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables it."""
-    clip_eps: float = 0.2
-    """PPO clip range of the importance ratio (below 1)."""
-    clip_eps_high: float | None = None
-    """Upper clip range (DAPO's clip-higher); None means ``clip_eps``."""
-    beta: float = 0.04
-    """Weight of the k3 KL to the reference model (0 leaves the KL out of the loss)."""
-    dual_clip: float | None = None
-    """Dual-clip bound (> 1, e.g. 3; verl's ``clip_ratio_c``): for a negative advantage a token's
-    loss is at most ``dual_clip * |A|``, however far vLLM's logprob is below the trainer's.
-    None: off. See ``forge.losses.grpo``."""
-    tis_cap: float | None = None
-    """Truncated importance sampling (> 0, e.g. 2; TRL's and verl's vLLM correction): each
-    token's loss is weighted by ``min(exp(trainer - behaviour logprob), tis_cap)``. None: off."""
-    mask_truncated: bool = False
-    """Leave completions cut at ``policy.max_tokens`` (``finish_reason`` length) out of the loss."""
-    loss_type: str = "grpo"
-    """How per-token losses are aggregated over the whole step's batch (``forge.losses.grpo_loss``):
-    ``grpo``: the mean over sequences of each sequence's token mean (every sequence weighs the
-    same); ``dapo``: the mean over all trained tokens (every token weighs the same, so long
-    responses weigh more); ``dr_grpo``: the sum over trained tokens / (all the batch's sequences
-    x ``max_response_tokens``, the app's ``policy.max_tokens``), a constant, so no response
-    length enters the normaliser. The KL term and the logged ``loss``/``pg_loss``/``kl_loss``
-    are normalised the same way; ``kl``, ``clip_fraction`` and the ratio stats stay token means."""
     pack_sequences: bool = False
     """Pack each micro-batch's sequences into rows (first-fit decreasing, attention kept inside
     each sequence: ``forge.models.pack_rows``) instead of right-padding every sequence to the
@@ -134,6 +121,46 @@ class TrainerSettings:
     """FSDP2: free each layer's gathered weights after its forward (gather them again for the
     backward). False gathers once per micro-batch: less communication, more memory in a step."""
 
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass(kw_only=True)
+class GRPOLossSettings:
+    """The GRPO loss's knobs (``forge.losses.grpo_loss``); SFT has none of them."""
+
+    clip_eps: float = 0.2
+    """PPO clip range of the importance ratio (below 1)."""
+    clip_eps_high: float | None = None
+    """Upper clip range (DAPO's clip-higher); None means ``clip_eps``."""
+    beta: float = 0.04
+    """Weight of the k3 KL to the reference model (0 leaves the KL out of the loss)."""
+    dual_clip: float | None = None
+    """Dual-clip bound (> 1, e.g. 3; verl's ``clip_ratio_c``): for a negative advantage a token's
+    loss is at most ``dual_clip * |A|``, however far vLLM's logprob is below the trainer's.
+    None: off. See ``forge.losses.grpo``."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (> 0, e.g. 2; TRL's and verl's vLLM correction): each
+    token's loss is weighted by ``min(exp(trainer - behaviour logprob), tis_cap)``. None: off."""
+    mask_truncated: bool = False
+    """Leave completions cut at ``policy.max_tokens`` (``finish_reason`` length) out of the loss."""
+    loss_type: str = "grpo"
+    """How per-token losses are aggregated over the whole step's batch (``forge.losses.grpo_loss``):
+    ``grpo``: the mean over sequences of each sequence's token mean (every sequence weighs the
+    same); ``dapo``: the mean over all trained tokens (every token weighs the same, so long
+    responses weigh more); ``dr_grpo``: the sum over trained tokens / (all the batch's sequences
+    x ``max_response_tokens``, the app's ``policy.max_tokens``), a constant, so no response
+    length enters the normaliser. The KL term and the logged ``loss``/``pg_loss``/``kl_loss``
+    are normalised the same way; ``kl``, ``clip_fraction`` and the ratio stats stay token means."""
+
+
+@dataclass(kw_only=True)
+class TrainerSettings(GRPOLossSettings, OptimizerSettings):
+    """Everything a user tunes in a GRPO trainer: the optimizer's settings and the loss's."""
+
 
 @dataclass(kw_only=True)
 class TrainerConfig(TrainerSettings):
@@ -155,9 +182,26 @@ class TrainerConfig(TrainerSettings):
     max_response_tokens: int = 0
     """The most trained tokens one response can have (the sampler's ``max_tokens``; per turn
     times turns for multi-turn): ``loss_type`` ``dr_grpo``'s constant length, needed (> 0) there."""
+    total_steps: int = 0
+    """The run's optimizer steps: where ``linear``/``cosine`` schedules reach 0 (needed, > 0, there)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_loss_type(self.loss_type, self.max_response_tokens)
+        if self.lr_schedule != "constant" and self.total_steps < 1:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs total_steps >= 1, got {self.total_steps}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (1-based): linear warmup, then the schedule."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return self.lr
+        span = max(self.total_steps - self.warmup_steps, 1)
+        progress = min(max(step - self.warmup_steps, 0) / span, 1.0)
+        if self.lr_schedule == "linear":
+            return self.lr * (1.0 - progress)
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class Trainer(ForgeActor):
@@ -199,33 +243,72 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def train_step(self, batch: EpisodeBatch | list[Episode]) -> dict[str, float]:
-        """One optimizer step on the batch (this rank trains on its slice); returns the global
-        loss statistics and the new version."""
+        """One GRPO optimizer step on the batch (this rank trains on its slice); returns the
+        global loss statistics and the new version."""
         episodes = batch.unpack() if isinstance(batch, EpisodeBatch) else list(batch)
+        return self._step(episodes, self._pack, self._loss, LOSS_NORMALISERS[self.config.loss_type])
+
+    @endpoint
+    async def sft_step(self, batch: SFTBatch) -> dict[str, float]:
+        """One supervised optimizer step: the mean negative log-likelihood of every answer token
+        of the batch (prompt tokens are masked out), at temperature 1. Returns ``loss`` (that
+        mean), ``tokens`` and the step's other statistics, as ``train_step``."""
+        return self._step(batch.unpack(), self._pack_sft, self._sft_loss, "tokens")
+
+    @endpoint
+    async def eval_loss(self, batch: SFTBatch) -> dict[str, float]:
+        """The mean negative log-likelihood of the answer tokens of ``batch`` (held-out data), in
+        micro-batches, without a gradient or a step: ``{"loss": ..., "tokens": ...}``."""
+        examples = batch.unpack()
+        mine, size = self._my_share(examples)
+        total = tokens = 0.0
+        self.model.eval()
+        with torch.no_grad():
+            for chunk in _chunks(mine, size):
+                packed = self._pack_sft(chunk)
+                loss, _ = self._sft_loss(chunk, packed)
+                n = float(packed.loss_mask.sum())
+                total, tokens = total + float(loss) * n, tokens + n
+        self.model.train()
+        sums = all_reduce_sum({"nll": total, "tokens": tokens}, self.rank)
+        return {"loss": sums["nll"] / max(sums["tokens"], 1.0), "tokens": sums["tokens"]}
+
+    def _my_share(self, items: Sequence[Any]) -> tuple[list[Any], int]:
+        """This rank's equal slice of a step's items, and the micro-batch size."""
         world, rank = self.rank.world_size, self.rank.rank
-        if not episodes:
-            raise ValueError("train_step needs at least one episode, got none")
-        if len(episodes) % world:
+        if not items:
+            raise ValueError("a step needs at least one example, got none")
+        if len(items) % world:
             raise ValueError(
-                f"train_step got {len(episodes)} episodes, which {world} ranks cannot split evenly; "
-                "send a multiple of the trainer's procs (prompts_per_step x group_size)"
+                f"a step got {len(items)} examples, which {world} ranks cannot split evenly; "
+                "send a multiple of the trainer's ranks (procs x hosts)"
             )
+        share = len(items) // world
+        return list(items[rank * share : (rank + 1) * share]), self.config.micro_batch_size or share
+
+    def _step(
+        self,
+        items: Sequence[Any],
+        pack: Callable[[list[Any]], PaddedBatch],
+        loss_fn: Callable[[list[Any], PaddedBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+        normaliser: str,
+    ) -> dict[str, float]:
+        """One optimizer step of any loss: this rank's slice in micro-batches, each micro-batch's
+        loss weighted by its share of the global ``normaliser`` count (``_counts``), so that the
+        sum over micro-batches and ranks is the loss one rank would compute on the whole batch."""
         cfg = self.config
         t0, cpu0 = time.perf_counter(), time.process_time()
+        mine, size = self._my_share(items)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        share = len(episodes) // world
-        mine = episodes[rank * share : (rank + 1) * share]
-        size = cfg.micro_batch_size or share
         # Every rank runs the same number of micro-batches: FSDP's collectives must pair up.
-        micro = [self._pack(mine[start : start + size]) for start in range(0, share, size)]
+        micro = [pack(chunk) for chunk in _chunks(mine, size)]
         local = {**_counts(micro), **_forward_tokens(micro, cfg.pack_sequences, cfg.pack_row_tokens)}
         counts = all_reduce_sum(local, self.rank)  # the whole batch's, as one rank would see it
-        normaliser = _NORMALISER[cfg.loss_type]
         totals: dict[str, float] = {}
         maxima: dict[str, float] = {}
         for chunk, packed in zip(_chunks(mine, size), micro):
-            loss, stats = self._loss(chunk, packed)
+            loss, stats = loss_fn(chunk, packed)
             own = _counts([packed])
             loss_weight = own[normaliser] / max(counts[normaliser], 1.0)
             tok_weight = own["tokens"] / max(counts["tokens"], 1.0)
@@ -238,6 +321,9 @@ class Trainer(ForgeActor):
                 totals[name] = totals.get(name, 0.0) + weight * float(value)
         totals = {**all_reduce_sum(totals, self.rank), **all_reduce_max(maxima, self.rank)}
         grad_norm = self._clip_gradients()
+        lr = cfg.lr_at(self.version + 1)  # from the step count alone: a resumed run needs no scheduler state
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.version += 1
         return {
@@ -249,6 +335,7 @@ class Trainer(ForgeActor):
             "train_s": time.perf_counter() - t0,
             # This process's CPU time (rank 0's): the work a rank did, whatever else shares the cores.
             "train_cpu_s": time.process_time() - cpu0,
+            "lr": lr,
             "policy_version": float(self.version),
         }
 
@@ -282,8 +369,8 @@ class Trainer(ForgeActor):
         return batch
 
     def _loss(self, episodes: list[Episode], batch: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """GRPO loss of one micro-batch, normalised by its own count (``_NORMALISER``); per-token
-        inputs are laid out like the logprobs."""
+        """GRPO loss of one micro-batch, normalised by its own count (``LOSS_NORMALISERS``);
+        per-token inputs are laid out like the logprobs."""
         cfg = self.config
         mask = batch.response_mask.to(self.device)  # [B, L-1]
         logprobs = padded_token_logprobs(
@@ -317,6 +404,26 @@ class Trainer(ForgeActor):
             loss_type=cfg.loss_type,
             max_response_tokens=cfg.max_response_tokens,
         )
+
+    def _pack_sft(self, examples: list[SFTExample]) -> PaddedBatch:
+        return pack_right_padded([e.prompt_ids for e in examples], [e.answer_ids for e in examples], self.config.pad_id)
+
+    def _sft_loss(self, examples: list[SFTExample], batch: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Mean NLL of one micro-batch's answer tokens, at temperature 1 (the data's own
+        distribution, whatever the sampler's temperature)."""
+        cfg = self.config
+        mask = batch.response_mask.to(self.device)
+        logprobs = padded_token_logprobs(
+            self.model,
+            batch.input_ids.to(self.device),
+            batch.attention_mask.to(self.device),
+            1.0,
+            positions=mask,
+            chunk_tokens=cfg.logprob_chunk_tokens,
+            pack=cfg.pack_sequences,
+            row_tokens=cfg.pack_row_tokens,
+        )
+        return sft_loss(logprobs, batch.loss_mask.to(self.device))
 
     @endpoint
     async def weights(self) -> tuple[dict[str, torch.Tensor], int]:
@@ -421,11 +528,6 @@ class Trainer(ForgeActor):
         """Bytes of parameters and optimizer state this rank holds (its shards)."""
         return local_state_bytes(self.model, self.optimizer)
 
-    @endpoint
-    async def cleanup(self) -> None:
-        """Remove the weight files this trainer published."""
-        self._remove_published()
-
     async def __cleanup__(self, exc: BaseException | None) -> None:
         """Monarch's stop hook: published weight files must not outlive the run; leave the
         process group."""
@@ -476,14 +578,9 @@ def _trained_sequences(batch: PaddedBatch) -> int:
     return int((batch.loss_mask.sum(1) > 0).sum())
 
 
-# The count ``grpo_loss`` normalises a micro-batch's loss by, per ``loss_type``: weighting each
-# micro-batch's loss by its count over the global count makes the sum over micro-batches and
-# ranks the loss of the whole batch, as one rank computing it in one pass would.
-_NORMALISER = {"grpo": "sequences", "dapo": "tokens", "dr_grpo": "rows"}
-
-
 def _counts(batches: list[PaddedBatch]) -> dict[str, float]:
-    """Trained sequences, trained tokens and all rows (trained or not) of ``batches``."""
+    """Trained sequences, trained tokens and all rows (trained or not) of ``batches``: the counts a
+    loss can be normalised by (``forge.losses.grpo.LOSS_NORMALISERS``; SFT's is ``tokens``)."""
     return {
         "sequences": float(sum(_trained_sequences(b) for b in batches)),
         "tokens": float(sum(int(b.loss_mask.sum()) for b in batches)),

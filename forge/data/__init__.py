@@ -1,6 +1,8 @@
-"""Tasks, reward functions and dataset readers: where prompts come from and how answers score."""
+"""Tasks, reward functions and datasets: where prompts come from and how answers score."""
 
-from forge.data.jsonl import DatasetFormatError, read_jsonl_prompts
+from forge.data.arithmetic import write_addition
+from forge.data.datasets import HELD_OUT, DataError, DataSource, PromptEpochs, load_prompts, load_split
+from forge.data.formatting import PromptFormat
 from forge.data.rewards import (
     RewardFn,
     UnknownRewardError,
@@ -15,8 +17,12 @@ from forge.data.rewards import (
 from forge.data.tasks import TOY_ALPHABET, ToyTask
 
 __all__ = [
+    "HELD_OUT",
     "TOY_ALPHABET",
-    "DatasetFormatError",
+    "DataError",
+    "DataSource",
+    "PromptEpochs",
+    "PromptFormat",
     "RewardFn",
     "ToyTask",
     "UnknownRewardError",
@@ -25,7 +31,9 @@ __all__ = [
     "get_reward",
     "gsm8k_reward",
     "list_rewards",
-    "read_jsonl_prompts",
+    "load_prompts",
+    "load_split",
     "register_reward",
     "toy_partial_reward",
+    "write_addition",
 ]

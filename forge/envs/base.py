@@ -16,7 +16,6 @@ its constructor takes the config's ``env.options`` as keyword arguments.
 from __future__ import annotations
 
 import abc
-import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,13 +99,9 @@ class Environment(abc.ABC):
 
 def load_environment(spec: str) -> type[Environment]:
     """The ``Environment`` subclass named ``package.module:Class``; a clear ``ValueError`` otherwise."""
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"an environment is named 'package.module:Class', got {spec!r}")
-    module_name, _, attr = spec.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"environment {spec!r} cannot be imported: {exc!r}") from exc
+    from forge.plugins import import_object
+
+    cls = import_object(spec, "environment", "Class")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"environment {spec!r} is {cls!r}, not a subclass of forge.envs.Environment")
     return cls

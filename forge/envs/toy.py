@@ -13,6 +13,7 @@ single-turn task.
 
 from __future__ import annotations
 
+from forge.checks import check_int
 from forge.data.rewards import toy_partial_reward
 from forge.envs.base import Action, Environment, StepResult
 from forge.types import Prompt
@@ -29,8 +30,7 @@ class ReverseWithFeedback(Environment):
     """The digit-reversal task over up to ``max_guesses`` turns with per-position feedback."""
 
     def __init__(self, max_guesses: int = 3) -> None:
-        if not (isinstance(max_guesses, int) and max_guesses >= 1):
-            raise ValueError(f"max_guesses must be an integer >= 1, got {max_guesses!r}")
+        check_int("max_guesses", max_guesses, 1)
         self.max_guesses = max_guesses
         self.prompt: Prompt | None = None
 

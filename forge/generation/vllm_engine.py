@@ -123,7 +123,8 @@ class VllmEngine:
         threads = os.environ["OMP_NUM_THREADS"]
         if in_process and threads.isdigit():
             # The engine runs on this process's torch, which read OMP_NUM_THREADS at import (if
-            # it was unset then, torch took every core: 2-10x slower on 2 shared cores).
+            # it was unset then, torch took every core, which threads fighting over shared cores
+            # make much slower: docs/benchmarks.md).
             torch.set_num_threads(int(threads))
         llm = LLM(**engine_args(model_dir, max_model_len, seed, dtype, kv_cache_bytes, enforce_eager, engine_kwargs))
         # In the worker, wherever it runs: importing the extension there is not enough, since

@@ -38,7 +38,12 @@ from torch import Tensor
 KL_LOG_RATIO_BOUND = 20.0
 KL_BOUND = 10.0
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+LOSS_NORMALISERS = {"grpo": "sequences", "dapo": "tokens", "dr_grpo": "rows"}
+"""What each ``loss_type`` divides the summed token losses by (see ``grpo_loss``): the trained
+sequences (after each sequence's own token mean), the trained tokens, or all rows times the
+constant response length. ``aggregate_tokens`` computes it for one batch; a trainer that splits
+a batch into micro-batches and ranks weights each part by its share of the same count."""
+LOSS_TYPES = tuple(LOSS_NORMALISERS)
 """How ``grpo_loss`` aggregates per-token losses (see its docstring)."""
 
 
@@ -293,9 +298,10 @@ def aggregate_tokens(per_token: Tensor, mask: Tensor, loss_type: str, max_respon
     """
     check_loss_type(loss_type, max_response_tokens)
     masked_sum = (per_token * mask).sum()  # []
-    if loss_type == "dapo":
+    normaliser = LOSS_NORMALISERS[loss_type]
+    if normaliser == "tokens":
         return masked_sum / mask.sum().clamp(min=1)
-    if loss_type == "dr_grpo":
+    if normaliser == "rows":
         return masked_sum / (max(per_token.shape[0], 1) * max_response_tokens)
     tokens_per_seq = mask.sum(dim=1)  # [B]
     has_tokens = tokens_per_seq > 0  # [B]

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from forge.checks import check_int
+
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "PaddedBatch",
@@ -249,8 +251,7 @@ def padded_token_logprobs(
             f"input_ids and attention_mask must both be [B, L], "
             f"got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
         )
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+    check_int("chunk_tokens", chunk_tokens, 1)
     batch, length = input_ids.shape
     if positions is None:
         positions = torch.ones((batch, max(length - 1, 0)), dtype=torch.bool, device=input_ids.device)

@@ -1,4 +1,4 @@
-"""Metrics from any actor, reduced per step, written to console/JSONL/TensorBoard, plotted at the end."""
+"""Metrics from any actor, reduced per step, written to console/JSONL/TensorBoard/W&B, plotted at the end."""
 
 from forge.observability.metrics import (
     REDUCTIONS,
@@ -9,14 +9,17 @@ from forge.observability.metrics import (
 )
 from forge.observability.plot import plot_run
 from forge.observability.sinks import (
+    EVAL_STEP,
     ConsoleSink,
     JsonlSink,
     MetricSink,
     TensorBoardSink,
+    WandbSink,
     make_sinks,
 )
 
 __all__ = [
+    "EVAL_STEP",
     "REDUCTIONS",
     "ConsoleSink",
     "JsonlSink",
@@ -24,6 +27,7 @@ __all__ = [
     "MetricRecord",
     "MetricSink",
     "TensorBoardSink",
+    "WandbSink",
     "drain_local_metrics",
     "make_sinks",
     "plot_run",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 # The object-oriented Figure + Agg canvas, not pyplot: no global backend switch, no GUI, and
@@ -12,18 +12,25 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from forge.observability.sinks import EVAL_STEP
+
 
 def plot_run(
     metrics_jsonl_path: str | Path,
     out_png: str | Path,
     keys: Sequence[str] = ("reward_mean", "loss"),
     smoothing: float = 0.9,
+    beside: Mapping[str, Sequence[str]] | None = None,
 ) -> Path:
     """Write ``out_png`` with one subplot per key: the raw values faintly, an EMA line on top.
 
     ``smoothing`` is the exponential moving average weight (TensorBoard's slider; 0 = none).
     Rows without a key (or with ``null``) are skipped for that key; a key absent from every
-    row gets an empty, labelled subplot so a typo shows up in the picture. Returns the path.
+    row gets an empty, labelled subplot so a typo shows up in the picture. ``beside`` draws
+    other keys into a key's subplot as marked lines, e.g. ``{"reward_mean": ["eval/accuracy"]}``
+    puts the held-out accuracy next to the training reward; an ``eval/*`` key is drawn at the
+    step whose weights were evaluated (``eval/step``), not at the row that reported it.
+    Returns the path.
     """
     path = Path(metrics_jsonl_path)
     if not keys:
@@ -38,11 +45,7 @@ def plot_run(
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(keys), 1, squeeze=False)[:, 0]
     for ax, key in zip(axes, keys):
-        points = [
-            (row["step"], row[key])
-            for row in rows
-            if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])
-        ]
+        points = _points(rows, key)
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
@@ -50,8 +53,15 @@ def plot_run(
             ax.text(0.5, 0.5, f"no data for {key!r}", ha="center", va="center", transform=ax.transAxes)
             continue
         steps, values = zip(*points)
-        ax.plot(steps, values, color="tab:blue", alpha=0.3, linewidth=1, label="raw")
-        ax.plot(steps, _ema(values, smoothing), color="tab:blue", linewidth=2, label="smoothed")
+        if key.startswith("eval/"):  # a few evaluations: each one a point, nothing to smooth
+            ax.plot(steps, values, color="tab:orange", marker="o", markersize=3, linewidth=1.5, label=key)
+        else:
+            ax.plot(steps, values, color="tab:blue", alpha=0.3, linewidth=1, label="raw")
+            ax.plot(steps, _ema(values, smoothing), color="tab:blue", linewidth=2, label="smoothed")
+        for other, color in zip((beside or {}).get(key, ()), ("tab:orange", "tab:green", "tab:red")):
+            marked = _points(rows, other)
+            if marked:
+                ax.plot(*zip(*marked), color=color, marker="o", markersize=3, linewidth=1.5, label=other)
         ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
 
@@ -59,6 +69,18 @@ def plot_run(
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     return out
+
+
+def _points(rows: list[dict], key: str) -> list[tuple[float, float]]:
+    """(step, value) of every row with a finite ``key``; ``eval/*`` keys at their ``eval/step``."""
+    points = []
+    for row in rows:
+        value = row.get(key)
+        if not (isinstance(value, (int, float)) and math.isfinite(value)):
+            continue
+        at = row.get(EVAL_STEP) if key.startswith("eval/") else None
+        points.append((at if isinstance(at, (int, float)) else row["step"], value))
+    return sorted(points)
 
 
 def _read_rows(path: Path) -> list[dict]:

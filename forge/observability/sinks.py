@@ -1,8 +1,13 @@
-"""Where per-step metrics go: the console, a JSONL file, TensorBoard.
+"""Where per-step metrics go: the console, a JSONL file, TensorBoard, Weights & Biases.
 
 A sink is anything with ``log(step, metrics)`` and ``close()``. The JSONL file is the run's
 record of truth (``plot_run`` reads it); the console line is for a human watching; TensorBoard
-is optional and degrades to a no-op when the package is not installed.
+is optional and degrades to a no-op when the package is not installed; W&B runs offline unless
+the user has configured it.
+
+Evaluation figures (``eval/*``) arrive in the row of the step at which the evaluation finished,
+with ``eval/step``: the step whose weights were evaluated (0: the initial model). TensorBoard and
+W&B chart them against ``eval/step``, and so does ``plot_run``.
 """
 
 from __future__ import annotations
@@ -12,9 +17,12 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import IO, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
+
+EVAL_STEP = "eval/step"
+"""The step whose weights an evaluation's ``eval/*`` figures describe."""
 
 
 @runtime_checkable
@@ -126,8 +134,10 @@ class TensorBoardSink:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self._writer is None:
             return
+        eval_step = metrics.get(EVAL_STEP)
         for k, v in metrics.items():
-            self._writer.add_scalar(k, v, global_step=step)
+            at = int(eval_step) if eval_step is not None and k.startswith("eval/") else step
+            self._writer.add_scalar(k, v, global_step=at)
         self._writer.flush()
 
     def close(self) -> None:
@@ -136,16 +146,93 @@ class TensorBoardSink:
             self._writer = None
 
 
-_SINKS = {"console": ConsoleSink, "jsonl": JsonlSink, "tensorboard": TensorBoardSink}
+class WandbSink:
+    """Each step's metrics to a Weights & Biases run, with the run's resolved config.
+
+    ``mode`` ``online``/``offline``/``disabled``; empty: ``$WANDB_MODE`` if set, else online when
+    W&B is configured on this machine (``$WANDB_API_KEY``, or a ``wandb login`` entry in
+    ``~/.netrc``), else offline: the run is written under ``<output_dir>/wandb`` and can be
+    uploaded later with ``wandb sync``. A resumed run continues the same W&B run (its id is kept
+    in ``<output_dir>/wandb_run_id``); W&B keeps the first value of a step logged twice.
+    """
+
+    RUN_ID_FILE = "wandb_run_id"
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        resume_after: int | None = None,
+        *,
+        project: str = "forge",
+        name: str = "",
+        mode: str = "",
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        import wandb
+
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        id_file = out / self.RUN_ID_FILE
+        run_id = id_file.read_text().strip() if resume_after is not None and id_file.is_file() else None
+        self.mode = wandb_mode(mode)
+        self.run = wandb.init(
+            project=project or "forge",
+            name=name or None,
+            mode=self.mode,
+            dir=str(out),
+            config=config,
+            id=run_id,
+            resume="allow" if run_id else None,
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        id_file.write_text(self.run.id)
+        self.run.define_metric(EVAL_STEP)
+        self.run.define_metric("eval/*", step_metric=EVAL_STEP)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log({k: float(v) for k, v in metrics.items()}, step=int(step))
+
+    def close(self) -> None:
+        if self.run is not None:
+            import wandb
+
+            self.run.finish()
+            self.run = None
+            wandb.teardown()  # stops W&B's service process, which would outlive the run
+
+
+def wandb_mode(mode: str = "") -> str:
+    """The W&B mode a ``WandbSink`` runs in (see its docstring)."""
+    if mode:
+        if mode not in ("online", "offline", "disabled"):
+            raise ValueError(f"wandb mode must be online, offline or disabled (or empty: automatic), got {mode!r}")
+        return mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "online" if "api.wandb.ai" in netrc.read_text() else "offline"
+    except OSError:
+        return "offline"
+
+
+_SINKS = {"console": ConsoleSink, "jsonl": JsonlSink, "tensorboard": TensorBoardSink, "wandb": WandbSink}
 
 
 def make_sinks(
-    names: list[str] | tuple[str, ...], output_dir: str | Path, resume_after: int | None = None
+    names: list[str] | tuple[str, ...],
+    output_dir: str | Path,
+    resume_after: int | None = None,
+    *,
+    wandb: dict[str, Any] | None = None,
 ) -> list[MetricSink]:
-    """Build the sinks named in ``names`` (``console``, ``jsonl``, ``tensorboard``), in order.
+    """Build the sinks named in ``names`` (``console``, ``jsonl``, ``tensorboard``, ``wandb``), in order.
 
     ``resume_after``: the step a resumed run continues after; the file sinks keep what was
-    logged up to it and drop the rest. None starts afresh.
+    logged up to it and drop the rest. None starts afresh. ``wandb``: ``WandbSink``'s keyword
+    arguments (``project``, ``name``, ``mode``, ``config``).
     """
     if isinstance(names, str):
         raise TypeError(f"names must be a list of sink names, got the string {names!r}")
@@ -153,5 +240,10 @@ def make_sinks(
     for name in names:
         if name not in _SINKS:
             raise ValueError(f"unknown metric sink {name!r}; expected one of {sorted(_SINKS)}")
-        sinks.append(ConsoleSink() if name == "console" else _SINKS[name](output_dir, resume_after))
+        if name == "console":
+            sinks.append(ConsoleSink())
+        elif name == "wandb":
+            sinks.append(WandbSink(output_dir, resume_after, **(wandb or {})))
+        else:
+            sinks.append(_SINKS[name](output_dir, resume_after))
     return sinks

@@ -55,7 +55,6 @@ def test_app_learns_reward_rises_from_an_on_policy_first_step(tmp_path: Path) ->
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert all(REQUIRED_KEYS <= set(r) for r in rows), rows[0].keys()
     assert [r["policy_version"] for r in rows] == list(range(1, 31))
-    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
     assert (tmp_path / "out" / "reward_loss.png").stat().st_size > 0
     assert "grpo: 30 steps" in out and "reward first-10" in out
     first, last = (sum(r["reward_mean"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
@@ -68,8 +67,9 @@ def test_app_learns_reward_rises_from_an_on_policy_first_step(tmp_path: Path) ->
 
 def test_role_failure_stops_the_run_with_a_clear_message(tmp_path: Path) -> None:
     """The reward process dying mid-run, with no restart allowed (faults.max_restarts=0), ends the
-    app promptly, exit code != 0, naming the role (restarts: tests/integration/test_grpo_faults.py)."""
-    started = time.monotonic()
+    app at once, exit code != 0, naming the role (restarts: tests/integration/test_grpo_faults.py):
+    the reward dies on its 41st call, during the third step's groups (16 completions a step, at
+    most 16 more generated ahead), and no step after that one is logged."""
     code, out, err = _finish(
         _app(
             tmp_path,
@@ -81,7 +81,9 @@ def test_role_failure_stops_the_run_with_a_clear_message(tmp_path: Path) -> None
     )
     assert code != 0
     assert "role 'reward' failed" in err, err[-3000:]
-    assert time.monotonic() - started < 110
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    logged = metrics.read_text().count("\n") if metrics.exists() else 0
+    assert logged <= 3, f"{logged} steps were logged after the reward role died"
 
 
 def test_ctrl_c_stops_every_role_and_exits_130(tmp_path: Path) -> None:

@@ -203,21 +203,16 @@ class SlowPolicy(ForgeActor):
 async def test_weight_sync_to_a_replica_that_dies_midway_neither_fails_nor_hangs(tmp_path: Path) -> None:
     """A policy replica SIGKILLed while it loads new weights: the push returns once the live
     replica has loaded them, and the restarted replica loads them (resync) before serving."""
-    import functools
+    from apps.common.weights import PolicyWeights
 
-    from apps.grpo.config import GRPOConfig, ModelSection
-    from apps.grpo.roles import Roles
-    from apps.grpo.training import push_weights, resync_policy
-
-    cfg = GRPOConfig(model=ModelSection(path=str(tmp_path)))
     # The restart waits 3 s (backoff): a push that waited for the dead replica would return after it.
     svc = await SlowPolicy.options(name="policy", num_replicas=2, restart_backoff_s=3.0, max_restarts=2).as_service(1.5)
     try:
-        roles = Roles(policy=svc)
-        svc.set_resync(functools.partial(resync_policy, cfg, roles))
+        weights = PolicyWeights(None, svc, "message", str(tmp_path), resync_timeout_s=300.0)
+        svc.set_resync(weights.resync)
         replicas = svc.service.replicas
         victim = await replicas[0].call("pid", (), {}, 30.0)
-        push = asyncio.create_task(push_weights(cfg, roles, {"w": 1}, 7))
+        push = asyncio.create_task(weights.push({"w": 1}, 7))
         await asyncio.sleep(0.5)  # both loads are in flight
         os.kill(victim, signal.SIGKILL)
         assert await asyncio.wait_for(push, 60.0) == 7

@@ -356,13 +356,13 @@ def test_config_changes_lists_only_what_differs_from_the_defaults(tmp_path):
 def test_the_app_writes_the_resolved_config_and_prints_the_changes(tmp_path):
     import io
 
+    from apps.common.cli import record_config
     from apps.grpo.config import GRPOConfig
-    from apps.grpo.main import record_config
 
     out = tmp_path / "run"
     cfg = load_config(GRPOConfig, None, ["model.path=/m", f"logging.output_dir={out}", "reward.fns={gsm8k: 1.0}"])
     terminal = io.StringIO()
-    path = record_config(cfg, terminal)
+    path = record_config(cfg, terminal, "grpo")
     assert path == out / "config.yaml"
     written = yaml.safe_load(path.read_text())
     assert written["reward"]["fns"] == {"gsm8k": 1.0} and written["steps"] == cfg.steps

@@ -211,6 +211,32 @@ async def test_a_task_whose_every_group_is_uniform_still_trains_within_the_bound
     assert rows[-1]["groups/lost"] == 0.0 and rows[-1]["groups/unaccounted"] == 0.0
 
 
+class DuplicatingRollouts(ScriptedRollouts):
+    """The groups of prompts 2 and 3 come back under one ``group_id``, as a group generated again
+    after a replica's death whose first try also got through would: the second reaches the
+    buffer through the rollouts' own writer."""
+
+    async def one_group(self, prompt: Prompt, group_id: str) -> EpisodeBatch:
+        group = await super().one_group(prompt, group_id)
+        return _group(SPREAD, "same-id") if _prompt_number(prompt) in (2, 3) else group
+
+
+async def test_a_group_sent_to_the_buffer_twice_through_the_rollouts_is_refused_and_counted():
+    """The buffer refuses the second group of an id it holds; the rollouts count it as a duplicate
+    (``groups/duplicates``), free its slot, and every group stays accounted for."""
+    cfg = _cfg()
+    roles = await _local_roles(cfg)
+    try:
+        rows = await _train_steps(cfg, DuplicatingRollouts(roles, cfg, uniform=set()), roles, steps=3)
+    finally:
+        await _stop(roles)
+    trained = [g.group_ids[0] for row in rows for g in row["groups"]]
+    assert trained.count("same-id") == 1 and len(trained) == len(set(trained)) == 12
+    last = rows[-1]
+    assert last["groups/duplicates"] == 1.0
+    assert last["groups/lost"] == 0.0 and last["groups/unaccounted"] == 0.0, last
+
+
 # ----------------------------------------------------------------------------- the config
 def test_the_default_bound_is_four_steps_of_prompts_and_zero_drops_none():
     cfg = _cfg("rollout.dynamic_sampling=true")

@@ -83,12 +83,54 @@ def test_make_sinks_builds_named_sinks_in_order(tmp_path, monkeypatch):
 
 
 def test_make_sinks_rejects_unknown_names_listing_known_ones(tmp_path):
-    """'wandb' is not a sink: the error lists console, jsonl, tensorboard."""
-    with pytest.raises(ValueError, match=r"'wandb'.*\['console', 'jsonl', 'tensorboard'\]"):
-        make_sinks(["console", "wandb"], tmp_path)
+    """'mlflow' is not a sink: the error lists console, jsonl, tensorboard, wandb."""
+    with pytest.raises(ValueError, match=r"'mlflow'.*\['console', 'jsonl', 'tensorboard', 'wandb'\]"):
+        make_sinks(["console", "mlflow"], tmp_path)
 
 
-def test_make_sinks_rejects_a_bare_string(tmp_path):
-    """'jsonl' instead of ['jsonl'] would iterate characters: refused."""
-    with pytest.raises(TypeError, match="list of sink names"):
-        make_sinks("jsonl", tmp_path)
+def test_tensorboard_charts_eval_figures_at_the_step_whose_weights_they_describe(tmp_path):
+    """An eval/* value logged in step 12's row with eval/step 10 is an event at step 10."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = TensorBoardSink(tmp_path)
+    sink.log(12, {"loss": 0.5, "eval/accuracy": 0.25, "eval/step": 10.0})
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [(10, 0.25)]
+    assert [e.step for e in events.Scalars("loss")] == [12]
+
+
+def test_wandb_runs_offline_unless_configured(tmp_path, monkeypatch):
+    """No key, no login, no WANDB_MODE: offline; an API key or a netrc login: online; a bad mode is named."""
+    from forge.observability.sinks import wandb_mode
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert wandb_mode() == "offline"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password secret\n")
+    assert wandb_mode() == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode() == "disabled" and wandb_mode("offline") == "offline"
+    with pytest.raises(ValueError, match="wandb mode must be online, offline or disabled"):
+        wandb_mode("cloud")
+
+
+def test_wandb_sink_writes_an_offline_run_with_the_config_and_every_figure(tmp_path, monkeypatch):
+    """Offline, the run is written under <output_dir>/wandb: its record file holds the config and
+    each step's figures, eval ones included; closing the sink stops W&B's service process."""
+    from forge.observability import WandbSink
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    sink = WandbSink(tmp_path, project="forge-test", name="t", config={"trainer": {"lr_of_the_run": 0.001}})
+    assert sink.mode == "offline"
+    sink.log(1, {"loss": 2.0})
+    sink.log(2, {"loss": 1.5, "eval/accuracy": 0.25, "eval/step": 2.0})
+    sink.close()
+    (record,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    written = record.read_bytes()  # W&B's own record format: protobuf, keys and JSON values as bytes
+    for needle in (b"lr_of_the_run", b"0.001", b"eval/accuracy", b"0.25", b"eval/step", b"loss", b"1.5"):
+        assert needle in written, needle
+    assert (tmp_path / "wandb_run_id").read_text().strip()

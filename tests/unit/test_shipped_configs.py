@@ -1,5 +1,5 @@
 """Every documented command line loads: each config in configs/ with the overrides the README, the
-YAML headers, scripts/grpo.sh and the app's docstring give for it."""
+YAML headers, the scripts and the apps' docstrings give for it, checked by its app's schema."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from apps.eval.config import EvalAppConfig
 from apps.grpo.config import GRPOConfig
+from apps.sft.config import SFTConfig
 from forge.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,10 +20,14 @@ DEFAULT_CONFIG = "configs/grpo_tiny.yaml"  # what scripts/grpo.sh runs without -
 SOURCES = [
     "README.md",
     "scripts/grpo.sh",
+    "scripts/sft_then_grpo.sh",
     "apps/grpo/main.py",
+    "apps/sft/main.py",
+    "apps/eval/main.py",
     *sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml")),
 ]
-_LAUNCHERS = re.compile(r"(?:scripts/grpo\.sh|-m apps\.grpo\.main)\b(.*)|^(--config\s.*)")
+SCHEMAS = {"grpo": GRPOConfig, "sft": SFTConfig, "eval": EvalAppConfig}
+_LAUNCHERS = re.compile(r"(?:(scripts/grpo\.sh)|-m apps\.(grpo|sft|eval)\.main)\b(.*)|^(--config\s.*)")
 
 
 def _snippets(source: str) -> list[str]:
@@ -43,15 +49,16 @@ def _joined_lines(text: str) -> list[str]:
     return re.sub(r"\s*\\+\s*\n\s*", " ", text).splitlines()
 
 
-def documented_commands() -> list[tuple[str, str, list[str]]]:
-    """(where, config, overrides) of every documented run of the GRPO app."""
+def documented_commands() -> list[tuple[str, str, str, list[str]]]:
+    """(where, app, config, overrides) of every documented run of an app."""
     found = []
     for source in SOURCES:
         for line in _snippets(source):
             match = _LAUNCHERS.search(line.strip())
             if match is None:
                 continue
-            rest = match.group(1) if match.group(1) is not None else match.group(2)
+            app = match.group(2) or "grpo"  # scripts/grpo.sh and a bare --config line run GRPO
+            rest = match.group(3) if match.group(3) is not None else match.group(4)
             rest = re.split(r"\s{2,}|\s#|\(", rest.strip())[0]  # drop a description or comment
             words = shlex.split(rest)
             config = DEFAULT_CONFIG
@@ -59,8 +66,8 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
                 i = words.index("--config")
                 config = words[i + 1]
                 del words[i : i + 2]
-            overrides = [w for w in words if "=" in w and not w.startswith("-")]
-            found.append((source, config, overrides))
+            overrides = [w for w in words if "=" in w and not w.startswith("-") and "$" not in w]
+            found.append((source, app, config, overrides))
     return found
 
 
@@ -69,19 +76,20 @@ COMMANDS = documented_commands()
 
 def test_the_documented_commands_were_found() -> None:
     """The README's, the scripts' and every config's own command lines are all collected."""
-    sources = {source for source, _, _ in COMMANDS}
-    assert {"README.md", "scripts/grpo.sh", "apps/grpo/main.py"} <= sources
-    configs = {config for _, config, _ in COMMANDS}
+    sources = {source for source, _, _, _ in COMMANDS}
+    assert {"README.md", "scripts/grpo.sh", "apps/grpo/main.py", "apps/sft/main.py", "apps/eval/main.py"} <= sources
+    configs = {config for _, _, config, _ in COMMANDS}
     shipped = {str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml")}
     assert shipped <= configs, f"configs without a documented command line: {sorted(shipped - configs)}"
-    assert any("data.path=" in " ".join(o) for s, c, o in COMMANDS if s == "README.md" and "qwen3" in c)
+    assert any("data.path=" in " ".join(o) for s, _, c, o in COMMANDS if s == "README.md" and "qwen3" in c)
 
 
-@pytest.mark.parametrize("source, config, overrides", COMMANDS, ids=[f"{s}:{c}:{' '.join(o)}" for s, c, o in COMMANDS])
-def test_documented_command_line_loads(source: str, config: str, overrides: list[str]) -> None:
-    """The config loads and validates with exactly the documented overrides."""
-    cfg = load_config(GRPOConfig, str(REPO / config), overrides)
-    assert cfg.steps >= 1
+@pytest.mark.parametrize(
+    "source, app, config, overrides", COMMANDS, ids=[f"{s}:{c}:{' '.join(o)}" for s, _, c, o in COMMANDS]
+)
+def test_documented_command_line_loads(source: str, app: str, config: str, overrides: list[str]) -> None:
+    """The config loads and validates, with its app's schema, with exactly the documented overrides."""
+    cfg = load_config(SCHEMAS[app], str(REPO / config), overrides)
     for override in overrides:
         key, value = override.split("=", 1)
         node = cfg

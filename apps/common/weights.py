@@ -1,0 +1,114 @@
+"""Trainer -> policy weight sync, owned by one object: what the replicas serve, and how they get it.
+
+``PolicyWeights`` holds the weights every policy replica should serve (``served``) and is the
+only writer of it:
+
+- ``fetch`` takes the trainer's current weights, as the transport carries them (``file``: the
+  path of a safetensors file the trainer wrote; ``message``: the tensors);
+- ``push`` makes them ``served`` first, then loads them into every healthy replica, so a
+  replica that is restarting meanwhile loads them in ``resync``;
+- ``resync`` is the policy service's resync hook (``svc.set_resync(weights.resync)``): a
+  restarted replica loads the served weights before it takes traffic.
+
+A replica that dies while loading does not fail a push: it restarts and resyncs, and the push
+waits only for the replicas that are alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from apps.common.roles import RoleFailed, call_role
+from forge.distributed import call_spmd  # the trainer is one SPMD mesh: every rank gets each call
+
+__all__ = ["PolicyWeights", "ServedWeights"]
+
+
+@dataclass(frozen=True)
+class ServedWeights:
+    """Weights the policy replicas serve: a state dict or a safetensors path (None: the model's
+    own, version 0)."""
+
+    weights: Any = None
+    version: int = 0
+
+
+class PolicyWeights:
+    """The weight sync between one trainer (an SPMD actor mesh) and one policy service."""
+
+    def __init__(self, trainer: Any, policy: Any, transport: str, folder: str, resync_timeout_s: float) -> None:
+        if transport not in ("file", "message"):
+            raise ValueError(f"weight_sync.transport must be 'file' or 'message', got {transport!r}")
+        self.trainer = trainer
+        self.policy = policy
+        self.transport = transport
+        self.folder = folder
+        self.resync_timeout_s = resync_timeout_s
+        self.served = ServedWeights()
+
+    async def fetch(self) -> tuple[Any, int]:
+        """The trainer's current weights, as the transport carries them, and their version."""
+        if self.transport == "file":
+            return await call_role("trainer", call_spmd(self.trainer.publish_weights, self.folder))
+        return await call_role("trainer", call_spmd(self.trainer.weights))
+
+    async def push(self, weights: Any, version: int) -> int:
+        """Serve ``weights`` (from ``fetch``) on every healthy policy replica; returns ``version``."""
+        from forge.observability import record_metric
+
+        t0 = time.perf_counter()
+        self.served = ServedWeights(weights, version)
+        try:
+            await call_role("policy", self.policy.update_weights.fanout(weights, version))
+        except RoleFailed as exc:
+            if not exc.recoverable:
+                raise
+            record_metric("weight_sync/interrupted", 1, "sum")
+            await self._loads_finished(exc)
+        record_metric("weight_sync/push_s", time.perf_counter() - t0)
+        return version
+
+    async def sync(self) -> int:
+        """Fetch and push the trainer's weights, and wait; returns their version."""
+        return await self.push(*(await self.fetch()))
+
+    async def resync(self, actor_mesh: Any) -> None:
+        """A restarted policy replica's step before it takes traffic: load the served weights.
+
+        If a new version is pushed while it loads (the push skips replicas that are not healthy
+        yet), it loads that one too, so it rejoins at the current version.
+        """
+        from forge.observability import record_metric
+
+        loaded = 0  # a fresh engine serves the model's own weights, version 0
+        for _ in range(5):
+            served = self.served
+            if served.weights is None or served.version == loaded:
+                return
+            load = actor_mesh.update_weights.call(served.weights, served.version)
+            await asyncio.wait_for(load, self.resync_timeout_s)
+            loaded = served.version
+            record_metric("weight_sync/resyncs", 1, "sum")
+            record_metric("weight_sync/resync_version", loaded, "last")
+
+    async def _loads_finished(self, interrupted: RoleFailed, tries: int = 5) -> None:
+        """Wait until the live policy replicas have run their weight loads of an interrupted push.
+
+        The gather of the interrupted fanout gave up at the first dead replica, but the other
+        replicas' loads still run; a replica handles one message at a time, so a ``version`` call
+        answered by each live replica comes after its load.
+        """
+        from forge.controller import NoHealthyReplica
+
+        for _ in range(tries):
+            try:
+                await call_role("policy", self.policy.version.fanout())
+                return
+            except RoleFailed as exc:
+                if not exc.recoverable or isinstance(exc.error, NoHealthyReplica):
+                    return  # none is alive: each one resyncs as it comes back
+                interrupted = exc  # another replica died meanwhile: ask the live ones again
+        raise interrupted

@@ -1,0 +1,117 @@
+"""The SFT app's config: a tree of typed dataclasses, loaded from YAML plus ``key=value`` overrides.
+
+Sections it shares with the GRPO app mean the same there and here (``model``, ``policy``,
+``weight_sync``, ``hosts``, ``logging``); the trainer section holds the optimizer's settings
+only (SFT has no GRPO loss knobs), and ``eval`` adds the held-out loss and early stopping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from apps.common.config import EvalSamplingSection, RecordsSection
+from apps.grpo.config import LoggingSection, ModelSection, Placement, PolicySection, WeightSyncSection
+from forge.actors.trainer import OptimizerSettings
+from forge.controller.jobs import HostsConfig
+
+
+@dataclass(kw_only=True)
+class SFTTrainerSection(Placement, OptimizerSettings):
+    """The trainer's optimizer settings (``forge.actors.trainer.OptimizerSettings``), placement and
+    checkpointing: the same trainer actor, sharding and checkpoints as GRPO's."""
+
+    checkpoint_every: int = 0
+    """Save a full checkpoint (weights, optimizer, step, RNG, data position) under
+    ``<logging.output_dir>/checkpoints`` every N steps and at the last step; 0 never.
+    ``--resume`` continues a killed run from the newest one."""
+    export_final_model: bool = True
+    """At the end, write the model as a Hugging Face folder to ``<logging.output_dir>/final_model``:
+    what vLLM and the GRPO app's ``model.path`` load."""
+
+
+@dataclass(kw_only=True)
+class SFTEvalSection(EvalSamplingSection):
+    """Held-out evaluation every ``every`` steps and after the last one: the loss of the held-out
+    answers (``eval/loss``) and, with ``generate``, the policy's greedy accuracy and pass@k on
+    the held-out prompts (``forge.evaluation``, the same code as GRPO's and ``apps.eval``'s)."""
+
+    every: int = 0
+    """Steps between evaluations; 0: only after the last step."""
+    loss_examples: int = 512
+    """Held-out examples whose answer loss is computed (the first ones of the split)."""
+    generate: bool = True
+    """Also sample the held-out prompts on a policy service (vLLM, the ``policy`` section), on the
+    weights of that step."""
+    samples: int = 0
+    """Sampled completions per prompt for ``eval/pass@k`` and ``eval/mean@k``; 0: greedy only."""
+    reward: dict[str, float] = field(default_factory=lambda: {"exact_match": 1.0})
+    """The reward functions that judge a completion (a registry name or ``module:function``)."""
+    stop_at_accuracy: float = 0.0
+    """Stop once the held-out greedy accuracy (``eval/accuracy``) reaches this, and export that
+    model (e.g. an SFT starting point that RL improves); 0: never stop early."""
+
+
+@dataclass(kw_only=True)
+class SFTConfig:
+    """The whole SFT app: steps and batch, then one section per part."""
+
+    steps: int = 1000
+    """Optimizer steps."""
+    batch_size: int = 64
+    """Examples per optimizer step."""
+    seed: int = 0
+    """Seed of the data order and the trainer."""
+    model: ModelSection = field(default_factory=ModelSection)
+    data: RecordsSection = field(default_factory=RecordsSection)
+    """The training records (``question_key`` the prompt, ``answer_key`` the target)."""
+    eval: SFTEvalSection = field(default_factory=SFTEvalSection)
+    trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
+    policy: PolicySection = field(default_factory=PolicySection)
+    """The vLLM engine that samples the held-out prompts (with ``eval.generate``)."""
+    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
+    """How the trainer's weights reach that policy."""
+    hosts: HostsConfig = field(default_factory=HostsConfig)
+    """Machines beyond the controller's; with one, the trainer and policy processes run there."""
+    logging: LoggingSection = field(default_factory=lambda: LoggingSection(output_dir="outputs/sft"))
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        ranks = self.trainer.procs * max(1, self.trainer.hosts)
+        if self.batch_size % ranks:
+            raise ValueError(
+                f"trainer.hosts x trainer.procs ({ranks}) must divide batch_size ({self.batch_size}): each rank "
+                "trains on an equal share of a step's examples"
+            )
+        if not self.data.path:
+            raise ValueError("data.path is required: the SFT records (jsonl, json, parquet, csv or save_to_disk)")
+        for name in ("every", "loss_examples"):
+            value = getattr(self.eval, name)
+            if value < 0:
+                raise ValueError(f"eval.{name} must be >= 0, got {value}")
+        if not 0.0 <= self.eval.stop_at_accuracy <= 1.0:
+            raise ValueError(
+                f"eval.stop_at_accuracy must be in [0, 1] (0: never stop early), got {self.eval.stop_at_accuracy}"
+            )
+        if self.eval.stop_at_accuracy and not (self.eval.generate and self.eval.every):
+            raise ValueError("eval.stop_at_accuracy needs eval.generate and eval.every > 0: accuracy is measured then")
+        if self.eval.generate:
+            self.eval.check()
+            if not self.eval.reward:
+                raise ValueError("eval.reward needs at least one reward function to judge completions")
+        if self.trainer.checkpoint_every < 0:
+            raise ValueError(f"trainer.checkpoint_every must be >= 0 (0: never), got {self.trainer.checkpoint_every}")
+        if self.weight_sync.transport not in ("message", "file"):
+            raise ValueError(f"weight_sync.transport must be 'message' or 'file', got {self.weight_sync.transport!r}")
+        if "jsonl" not in self.logging.sinks:
+            raise ValueError(
+                "logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source"
+            )
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where the run's checkpoints go: ``<logging.output_dir>/checkpoints``."""
+        return str(Path(self.logging.output_dir) / "checkpoints")
