@@ -204,13 +204,15 @@ def trl_dataset(cfg: Any) -> Any:
     """The first ``steps * prompts_per_step`` prompts of the config's task, in order."""
     from datasets import Dataset
 
+    from apps.grpo.roles import records_source
     from forge.actors.dataset import DatasetConfig, prompt_stream
 
     stream = prompt_stream(
         DatasetConfig(
             source=cfg.data.source,
-            path=cfg.data.path,
+            records=records_source(cfg.data),
             prompt_template=cfg.data.prompt_template,
+            chat_model=str(REPO / cfg.model.path) if cfg.data.chat_template else None,
             seed=cfg.seed,
             options=dict(cfg.data.options),
         )
@@ -243,17 +245,13 @@ def trl_reward_fns(cfg: Any) -> tuple[list[Any], list[float]]:
     return fns, weights
 
 
-def run_trl(cfg: Any, model_path: str, out_dir: Path, threads: int, use_vllm: bool = False) -> dict[str, Any]:
+def trl_args(cfg: Any, out_dir: Path, use_vllm: bool, weights: list[float]) -> Any:
+    """TRL's ``GRPOConfig`` with every setting forge's config shares (the module docstring)."""
     import torch
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
-    torch.set_num_threads(threads)
     t, p = cfg.trainer, cfg.policy
-    load = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    fns, weights = trl_reward_fns(cfg)
-    args = GRPOConfig(
+    return GRPOConfig(
         output_dir=str(out_dir),
         use_cpu=True,
         bf16=False,
@@ -271,8 +269,8 @@ def run_trl(cfg: Any, model_path: str, out_dir: Path, threads: int, use_vllm: bo
         use_vllm=use_vllm,
         **({**TRL_VLLM_COLOCATE, "vllm_max_model_length": p.max_model_len} if use_vllm else {}),
         learning_rate=t.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        lr_scheduler_type="constant_with_warmup" if t.warmup_steps else "constant",
+        warmup_steps=t.warmup_steps,
         optim="adamw_torch",
         adam_beta1=0.9,
         adam_beta2=0.999,
@@ -293,6 +291,18 @@ def run_trl(cfg: Any, model_path: str, out_dir: Path, threads: int, use_vllm: bo
         dataloader_num_workers=0,
         log_completions=False,
     )
+
+
+def run_trl(cfg: Any, model_path: str, out_dir: Path, threads: int, use_vllm: bool = False) -> dict[str, Any]:
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    torch.set_num_threads(threads)
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    fns, weights = trl_reward_fns(cfg)
+    args = trl_args(cfg, out_dir, use_vllm, weights)
 
     class Timer(TrainerCallback):
         def __init__(self) -> None:

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import forge.controller  # noqa: F401  (before anything imports monarch)
 from apps.common import cli
 from apps.common.evaluation import EvalPlan
-from apps.common.roles import POLICY_ENV, ROLE_ENV, RoleFailed
-from apps.grpo.roles import assign_gpus, make_model, prepare_data, settings
+from apps.common.roles import POLICY_ENV, RoleFailed
+from apps.grpo.roles import RoleSpec, assign_gpus, make_model, policy_config, prepare_data, start_role
 
 if TYPE_CHECKING:
     from apps.eval.config import EvalAppConfig
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 async def run(cfg: EvalAppConfig, terminal: Any, resume_from: Path | None = None) -> str:
     """Start a policy service on ``model.path``, evaluate it, stop it; returns the JSON line."""
-    from forge.actors import Policy, PolicyConfig, PolicySettings
+    from forge.actors import Policy
 
     t_start = time.perf_counter()
     cli.record_config(cfg, terminal, "eval")
@@ -46,21 +46,11 @@ async def run(cfg: EvalAppConfig, terminal: Any, resume_from: Path | None = None
         from forge.controller.jobs import host_pool_from
 
         host_pool = host_pool_from(cfg.hosts)
-    policy_cfg = PolicyConfig(**settings(p, PolicySettings), model_path=model_path, group_size=1, seed=cfg.seed)
-    policy_cfg.engine_kwargs = {"use_tqdm_on_load": False, **p.engine_kwargs}
+    spec = RoleSpec("policy", Policy, policy_config(cfg, model_path, group_size=1), POLICY_ENV)
     policy = None
     try:
         try:
-            policy = await Policy.options(
-                name="policy",
-                num_replicas=p.num_replicas,
-                procs=p.procs,
-                hosts=p.hosts,
-                host_pool=host_pool,
-                gpus=assign_gpus(cfg, roles=("policy",))["policy"],
-                gpus_per_proc=p.gpus_per_proc,
-                env={**POLICY_ENV, ROLE_ENV: "policy", **p.env},
-            ).as_service(policy_cfg)
+            policy = await start_role(spec, cfg, assign_gpus(cfg, roles=("policy",)), host_pool)
         except Exception as exc:
             raise RoleFailed("policy", exc) from exc
         metrics = await plan.run(policy, 0)

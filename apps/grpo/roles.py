@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +16,16 @@ from forge.controller.errors import describe
 
 __all__ = ["ROLE_ENV", "SERVICE_ROLES", "RoleFailed", "Roles", "call_role", "start_roles", "stop_roles"]
 
+from forge.actors import Policy
+
 if TYPE_CHECKING:
+    from monarch.actor import ActorMesh
+
     from apps.common.weights import PolicyWeights
     from apps.grpo.config import GRPOConfig
+    from forge.actors import PolicyConfig
     from forge.actors.trainer import TrainerConfig
+    from forge.controller import HostPool, ServiceInterface
     from forge.data.datasets import DataSource
 
 logger = logging.getLogger("forge.grpo")
@@ -31,60 +36,148 @@ logger = logging.getLogger("forge.grpo")
 class Roles:
     """Handles of every role; services are routed, actors are called with ``call_one``."""
 
-    policy: Any = None
-    reference: Any = None
-    reward: Any = None
-    trainer: Any = None
-    buffer: Any = None
-    dataset: Any = None
-    env: Any = None
+    policy: ServiceInterface | None = None
+    reference: ServiceInterface | None = None
+    reward: ServiceInterface | None = None
+    trainer: ActorMesh | None = None
+    """The trainer: one SPMD actor mesh (``forge.distributed.call_spmd``)."""
+    buffer: ActorMesh | None = None
+    dataset: ActorMesh | None = None
+    env: ServiceInterface | None = None
     """The environment service of multi-turn runs (``env.cls``); None for single-turn ones."""
-    local: list[Any] = field(default_factory=list)
+    local: list[ActorMesh] = field(default_factory=list)
+    """The actors in the controller's own process (buffer, dataset)."""
     weights: PolicyWeights | None = None
     """The trainer -> policy weight sync, and what the policy replicas serve now."""
-    host_pool: Any = None
+    host_pool: HostPool | None = None
     """The ``hosts`` section's pool (its job is killed after the roles stop); None: this host."""
 
-    def services(self) -> dict[str, Any]:
+    def services(self) -> dict[str, ServiceInterface]:
         """Role name -> service handle, for the services that were started."""
         return {n: s for n in SERVICE_ROLES if (s := getattr(self, n)) is not None}
 
+    async def stop(self, timeout_s: float = 60.0) -> None:
+        """``stop_roles``: every started role, in parallel, within ``timeout_s``."""
+        await stop_roles(self, timeout_s)
 
-async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
-    """Start every role concurrently; if one fails to start, stop the others and raise."""
-    from monarch.actor import this_proc
 
-    from forge.actors import (
-        Dataset,
-        DatasetConfig,
-        Policy,
-        PolicyConfig,
-        PolicySettings,
-        PromptAffinity,
-        ReferenceConfig,
-        ReferenceModel,
-        ReplayBuffer,
-        RewardActor,
-        Trainer,
-    )
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role that runs on processes of its own: its actor class and argument, and how it
+    starts. ``name`` is also the config section that places it (procs, hosts, GPUs, env)."""
+
+    name: str
+    actor_cls: type
+    arg: Any
+    env: dict[str, str]
+    """The role's processes' environment, under the section's own ``env``."""
+    service: bool = True
+    """A service (replicas that restart); False: one actor mesh (the trainer)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """More ``ActorOptions`` (routers)."""
+
+
+def role_specs(cfg: GRPOConfig, model_path: str) -> list[RoleSpec]:
+    """The GRPO run's remote roles: the policy, reference, reward (and env) services and the trainer."""
+    from forge.actors import PromptAffinity, ReferenceConfig, ReferenceModel, RewardActor, Trainer
     from forge.envs import SessionAffinity
 
-    p, t = cfg.policy, cfg.trainer
-    policy_cfg = PolicyConfig(
-        **settings(p, PolicySettings),
-        model_path=model_path,
-        group_size=cfg.group_size,
-        seed=cfg.seed,
-    )
-    policy_cfg.engine_kwargs = {"use_tqdm_on_load": False, **p.engine_kwargs}
-    reference_cfg = ReferenceConfig(
+    p = cfg.policy
+    reference = ReferenceConfig(
         model_path=model_path,
         temperature=p.temperature,
         dtype=cfg.reference.dtype,
         pack_sequences=cfg.reference.pack_sequences,
     )
-    trainer_cfg = trainer_config(cfg, model_path)
-    dataset_cfg = DatasetConfig(
+    routers = {"endpoint_routers": {"generate": PromptAffinity, "generate_turn": SessionAffinity}}
+    specs = [
+        RoleSpec("policy", Policy, policy_config(cfg, model_path, cfg.group_size), POLICY_ENV, options=routers),
+        RoleSpec("reference", ReferenceModel, reference, QUIET_ENV, options={"router": "least_loaded"}),
+        RoleSpec("reward", RewardActor, dict(cfg.reward.fns), QUIET_ENV, options={"router": "least_loaded"}),
+        RoleSpec("trainer", Trainer, trainer_config(cfg, model_path), QUIET_ENV, service=False),
+    ]
+    if cfg.env.cls:
+        from forge.envs import EnvActor, EnvConfig, EnvSessionRouter
+
+        env = EnvConfig(cfg.env.cls, dict(cfg.env.options), model_path, cfg.env.step_timeout_s)
+        specs.append(RoleSpec("env", EnvActor, env, QUIET_ENV, options={"router": EnvSessionRouter}))
+    return specs
+
+
+def policy_config(cfg: Any, model_path: str, group_size: int) -> PolicyConfig:
+    """The policy's ``PolicyConfig``: the ``policy`` section's settings and the run's model and seed."""
+    from forge.actors import PolicyConfig, PolicySettings
+
+    policy = PolicyConfig(
+        **settings(cfg.policy, PolicySettings), model_path=model_path, group_size=group_size, seed=cfg.seed
+    )
+    policy.engine_kwargs = {"use_tqdm_on_load": False, **cfg.policy.engine_kwargs}
+    return policy
+
+
+async def start_role(
+    spec: RoleSpec, cfg: Any, gpus: dict[str, list[str] | None], host_pool: HostPool | None, **service_options: Any
+) -> Any:
+    """Start one role as its spec and its config section say; returns its handle.
+    ``service_options``: restart and health options for a service (``fault_options``)."""
+    section = getattr(cfg, spec.name)
+    options = {
+        "name": spec.name,
+        "env": {**spec.env, ROLE_ENV: spec.name, **section.env},
+        "procs": section.procs,
+        "hosts": section.hosts,
+        "host_pool": host_pool,
+        "gpus": gpus.get(spec.name),  # None for roles that never take GPUs (env)
+        "gpus_per_proc": section.gpus_per_proc,
+        **spec.options,
+    }
+    if not spec.service:
+        return await spec.actor_cls.options(**options).as_actor(spec.arg)
+    return await spec.actor_cls.options(num_replicas=section.num_replicas, **options, **service_options).as_service(
+        spec.arg
+    )
+
+
+async def start_all(roles: Any, starts: dict[str, Any]) -> None:
+    """Run ``starts`` (role name -> coroutine returning its handle) concurrently and set each
+    handle on ``roles``; if one fails, stop what did start and raise ``RoleFailed`` naming it."""
+    names = list(starts)
+    results = await asyncio.gather(*starts.values(), return_exceptions=True)
+    for name, result in zip(names, results):
+        if not isinstance(result, BaseException) and result is not None:
+            setattr(roles, name, result)
+    for name, result in zip(names, results):
+        if isinstance(result, BaseException):
+            await roles.stop()
+            raise RoleFailed(name, describe(result, limit=600, typed=True)) from result
+
+
+async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
+    """Start every role concurrently (the remote ones from ``role_specs``, the buffer and the
+    dataset in this process); if one fails to start, stop the others and raise."""
+    roles = Roles()
+    if cfg.hosts.job != "none":
+        from forge.controller.jobs import host_pool_from
+
+        roles.host_pool = host_pool_from(cfg.hosts)
+    gpus = assign_gpus(cfg)
+    starts: dict[str, Any] = {
+        spec.name: start_role(spec, cfg, gpus, roles.host_pool, **fault_options(cfg))
+        for spec in role_specs(cfg, model_path)
+    }
+    starts["local"] = start_local(cfg, model_path, roles)
+    await start_all(roles, starts)
+    return roles
+
+
+async def start_local(cfg: GRPOConfig, model_path: str, roles: Roles) -> None:
+    """The buffer and the dataset, in the controller's process: light roles need no process of
+    their own (no start-up, no extra CPU)."""
+    from monarch.actor import this_proc
+
+    from forge.actors import Dataset, DatasetConfig, ReplayBuffer
+
+    dataset = DatasetConfig(
         source=cfg.data.source,
         records=records_source(cfg.data),
         prompt_template=cfg.data.prompt_template,
@@ -92,79 +185,10 @@ async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
         seed=cfg.seed,
         options=dict(cfg.data.options),
     )
-    quiet = QUIET_ENV
-    policy_env = POLICY_ENV
-    roles = Roles()
-
-    gpus = assign_gpus(cfg)
-    if cfg.hosts.job != "none":
-        from forge.controller.jobs import host_pool_from
-
-        roles.host_pool = host_pool_from(cfg.hosts)
-
-    def placement(role: str) -> dict[str, Any]:
-        """The role's ActorOptions for where it runs: processes, hosts and its own GPU ids."""
-        section = getattr(cfg, role)
-        return {
-            "procs": section.procs,
-            "hosts": section.hosts,
-            "host_pool": roles.host_pool,
-            "gpus": gpus.get(role),  # None for roles that never take GPUs (env)
-            "gpus_per_proc": section.gpus_per_proc,
-        }
-
-    async def service(role: str, actor_cls: type, arg: Any, env: dict[str, str], **options: Any) -> None:
-        section = getattr(cfg, role)
-        setattr(
-            roles,
-            role,
-            await actor_cls.options(
-                name=role,
-                num_replicas=section.num_replicas,
-                env={**env, ROLE_ENV: role, **section.env},
-                **placement(role),
-                **fault_options(cfg),
-                **options,
-            ).as_service(arg),
-        )
-
-    policy = functools.partial(
-        service,
-        "policy",
-        Policy,
-        policy_cfg,
-        policy_env,
-        endpoint_routers={"generate": PromptAffinity, "generate_turn": SessionAffinity},
-    )
-    reference = functools.partial(service, "reference", ReferenceModel, reference_cfg, quiet, router="least_loaded")
-    reward = functools.partial(service, "reward", RewardActor, dict(cfg.reward.fns), quiet, router="least_loaded")
-
-    async def trainer() -> None:
-        roles.trainer = await Trainer.options(
-            name="trainer",
-            env={**quiet, ROLE_ENV: "trainer", **t.env},
-            **placement("trainer"),
-        ).as_actor(trainer_cfg)
-
-    async def local() -> None:
-        # Light roles live in the controller's process: no process start, no extra CPU.
-        roles.buffer = this_proc().spawn("buffer", ReplayBuffer, cfg.max_policy_age, 4 * cfg.max_buffered_groups)
-        roles.dataset = this_proc().spawn("dataset", Dataset, dataset_cfg)
-        roles.local = [roles.buffer, roles.dataset]
-        await asyncio.gather(roles.buffer.setup.call_one(), roles.dataset.setup.call_one())
-
-    starters = {"policy": policy, "reference": reference, "reward": reward, "trainer": trainer, "buffer/dataset": local}
-    if cfg.env.cls:
-        from forge.envs import EnvActor, EnvConfig, EnvSessionRouter
-
-        env_cfg = EnvConfig(cfg.env.cls, dict(cfg.env.options), model_path, cfg.env.step_timeout_s)
-        starters["env"] = functools.partial(service, "env", EnvActor, env_cfg, quiet, router=EnvSessionRouter)
-    results = await asyncio.gather(*(fn() for fn in starters.values()), return_exceptions=True)
-    for name, result in zip(starters, results):
-        if isinstance(result, BaseException):
-            await stop_roles(roles)
-            raise RoleFailed(name, describe(result, limit=600, typed=True)) from result
-    return roles
+    roles.buffer = this_proc().spawn("buffer", ReplayBuffer, cfg.max_policy_age, 4 * cfg.max_buffered_groups)
+    roles.dataset = this_proc().spawn("dataset", Dataset, dataset)
+    roles.local = [roles.buffer, roles.dataset]
+    await asyncio.gather(roles.buffer.setup.call_one(), roles.dataset.setup.call_one())
 
 
 def fault_options(cfg: GRPOConfig) -> dict[str, Any]:

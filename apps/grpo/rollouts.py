@@ -11,13 +11,19 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from apps.grpo.roles import RoleFailed, Roles, call_role
+from forge.actors import prompt_key
 from forge.checks import check_int
 from forge.controller import Batcher, Batching
+from forge.losses import group_advantages
+from forge.losses import rewards_uniform as uniform
+from forge.observability import record_metric
+from forge.types import Episode, EpisodeBatch, EpisodeGroups
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
-    from forge.types import EpisodeBatch
 
 logger = logging.getLogger("forge.grpo")
 
@@ -52,8 +58,6 @@ class RolloutCounts:
 def rewards_uniform(group: EpisodeBatch) -> bool:
     """Whether every episode of ``group`` has the same reward (``forge.losses.rewards_uniform``):
     such a group costs trainer compute and dilutes the batch but teaches nothing."""
-    from forge.losses import rewards_uniform as uniform
-
     return uniform(group.rewards)
 
 
@@ -192,8 +196,66 @@ class Rollouts:
         """Stop the buffer writer; call after cancelling the workers."""
         await self._writes.close()
 
-    async def taken(self, n: int) -> None:
-        """Training took ``n`` groups out of the buffer (or they were evicted)."""
+    async def take_batch(self, num_groups: int, version: int) -> list[EpisodeBatch]:
+        """``num_groups`` groups from the buffer fresh enough for policy ``version``; waits for
+        the rollouts if it holds too few. Every group the buffer hands over or evicts frees its
+        backpressure slot."""
+        while True:
+            self.added.clear()
+            sample = await call_role("buffer", self.roles.buffer.sample.call_one(num_groups, version))
+            self.buffer_stats = sample.stats
+            record_metric("buffer/evicted_groups", sample.evicted, "sum")
+            taken = sample.evicted + (len(sample.groups) if sample.groups is not None else 0)
+            if taken:
+                await self._free(taken)
+            if sample.groups is not None:
+                return sample.groups
+            await self.added.wait()
+
+    def end_step(self, batch: list[EpisodeBatch]) -> dict[str, float]:
+        """Close a training step's books: how informative its groups were, and a fresh count and
+        drop budget for the next step (``DynamicSampling.end_step``).
+
+        ``zero_std_fraction``: of the groups finished since the last step, the fraction whose rewards
+        were all equal, on or off dynamic sampling (what it drops, or would); ``dropped_uniform_groups``:
+        how many of them it dropped; ``batch_zero_std_groups``: the groups of this step's batch whose
+        rewards were all equal (0 with dynamic sampling unless ``rollout.max_dropped_per_step`` was reached).
+        """
+        return {
+            **self.sampling.end_step(),
+            "batch_zero_std_groups": float(sum(rewards_uniform(group) for group in batch)),
+        }
+
+    def group_counts(self) -> dict[str, float]:
+        """Where every group went so far (cumulative): started, generated again after a replica
+        died, stored, dropped by dynamic sampling, trained, dropped by the buffer, still in flight;
+        ``groups/lost`` and ``groups/unaccounted`` are 0 unless a group vanished (the rollouts' and
+        the buffer's books)."""
+        c, b = self.counts, self.buffer_stats
+        counts = {
+            "groups/started": c.started,
+            "groups/regenerated": c.regenerated,
+            "groups/stored": c.stored,
+            "groups/dropped_uniform": c.dropped_uniform,
+            "groups/in_flight": c.in_flight,
+            "groups/lost": c.lost,
+        }
+        if b is not None:
+            counts.update(
+                {
+                    "groups/trained": b.sampled,
+                    "groups/dropped_stale": b.dropped_stale,
+                    "groups/dropped_full": b.dropped_full,
+                    # Each refusal is in both books (the buffer's and the rollouts'): count it once.
+                    "groups/duplicates": c.refused,
+                    "groups/buffered": b.size,
+                    "groups/unaccounted": b.added - b.sampled - b.evicted - b.size,
+                }
+            )
+        return {k: float(v) for k, v in counts.items()}
+
+    async def _free(self, n: int) -> None:
+        """``n`` groups left the books of what is in flight or buffered: room for ``n`` more."""
         async with self.room:
             self.outstanding -= n
             self.room.notify_all()
@@ -219,12 +281,10 @@ class Rollouts:
                 self.counts.refused += 1
             else:
                 self.counts.dropped_uniform += 1
-            await self.taken(1)  # a refused or dropped group frees its slot
+            await self._free(1)  # a refused or dropped group frees its slot
 
     async def _add_many(self, groups: list[Any], key: Any) -> list[bool]:
         """The buffer writer's executor: one message for every group that finished meanwhile."""
-        from forge.types import EpisodeGroups
-
         return await call_role("buffer", self.roles.buffer.add_many.call_one(EpisodeGroups.pack(groups)))
 
     async def _produce(self) -> Any:
@@ -252,13 +312,6 @@ class Rollouts:
 
     async def one_group(self, prompt: Any, group_id: str) -> Any:
         """Prompt -> completions -> rewards and reference logprobs -> scored episodes."""
-        import torch
-
-        from forge.actors import prompt_key
-        from forge.losses import group_advantages
-        from forge.observability import record_metric
-        from forge.types import Episode, EpisodeBatch
-
         roles = self.roles
         t0 = time.perf_counter()
         group = await call_role("policy", roles.policy.generate.route(prompt, key=prompt_key(prompt)))

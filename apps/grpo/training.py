@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from apps.grpo.roles import Roles, call_role
-from apps.grpo.rollouts import Rollouts, rewards_uniform
+from apps.grpo.rollouts import Rollouts
 from forge.distributed import call_spmd  # the trainer is one SPMD mesh: every rank gets each call
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ async def train(
     try:
         for step in range(after_step + 1, cfg.steps + 1):
             t0 = time.perf_counter()
-            groups = await wait_for_batch(cfg, roles, rollouts, version)
+            groups = await rollouts.take_batch(cfg.prompts_per_step, version)
             t1 = time.perf_counter()
             batch = EpisodeBatch.concat(groups)
             stats = await call_role("trainer", call_spmd(roles.trainer.train_step, batch))
@@ -87,8 +87,8 @@ async def train(
                     "wait_s": t1 - t0,
                     "train_s": t2 - t1,
                     "sync_wait_s": t3 - t2,
-                    **sampling_metrics(rollouts, groups),
-                    **group_counts(rollouts),
+                    **rollouts.end_step(groups),
+                    **rollouts.group_counts(),
                     **(evals.collect(t3 - t0) if evals is not None else {}),
                 },
                 roles,
@@ -107,67 +107,6 @@ async def train(
             await asyncio.gather(pushing, return_exceptions=True)
 
 
-async def wait_for_batch(cfg: GRPOConfig, roles: Roles, rollouts: Rollouts, version: int) -> list[list[Any]]:
-    """``prompts_per_step`` groups fresh enough for ``version``; waits for rollouts if needed."""
-    from forge.observability import record_metric
-
-    while True:
-        rollouts.added.clear()
-        sample = await call_role("buffer", roles.buffer.sample.call_one(cfg.prompts_per_step, version))
-        rollouts.buffer_stats = sample.stats
-        record_metric("buffer/evicted_groups", sample.evicted, "sum")
-        taken = sample.evicted + (len(sample.groups) if sample.groups is not None else 0)
-        if taken:
-            await rollouts.taken(taken)
-        if sample.groups is not None:
-            return sample.groups
-        await rollouts.added.wait()
-
-
-def sampling_metrics(rollouts: Rollouts, batch: list[Any]) -> dict[str, float]:
-    """How informative the step's groups were; called once per step, it also gives the next
-    step a fresh count and drop budget (``DynamicSampling.end_step``).
-
-    ``zero_std_fraction``: of the groups finished since the last step, the fraction whose rewards
-    were all equal, on or off dynamic sampling (what it drops, or would); ``dropped_uniform_groups``:
-    how many of them it dropped; ``batch_zero_std_groups``: the groups of this step's batch whose
-    rewards were all equal (0 with dynamic sampling unless ``rollout.max_dropped_per_step`` was reached).
-    """
-    return {
-        **rollouts.sampling.end_step(),
-        "batch_zero_std_groups": float(sum(rewards_uniform(group) for group in batch)),
-    }
-
-
-def group_counts(rollouts: Rollouts) -> dict[str, float]:
-    """Where every group went so far (cumulative): started, generated again after a replica
-    died, stored, dropped by dynamic sampling, trained, dropped by the buffer, still in flight;
-    ``groups/lost`` and ``groups/unaccounted`` are 0 unless a group vanished (rollouts' and the
-    buffer's books)."""
-    c, b = rollouts.counts, rollouts.buffer_stats
-    counts = {
-        "groups/started": c.started,
-        "groups/regenerated": c.regenerated,
-        "groups/stored": c.stored,
-        "groups/dropped_uniform": c.dropped_uniform,
-        "groups/in_flight": c.in_flight,
-        "groups/lost": c.lost,
-    }
-    if b is not None:
-        counts.update(
-            {
-                "groups/trained": b.sampled,
-                "groups/dropped_stale": b.dropped_stale,
-                "groups/dropped_full": b.dropped_full,
-                # Each refusal is in both books (the buffer's and the rollouts'): count it once.
-                "groups/duplicates": c.refused,
-                "groups/buffered": b.size,
-                "groups/unaccounted": b.added - b.sampled - b.evicted - b.size,
-            }
-        )
-    return {k: float(v) for k, v in counts.items()}
-
-
 # ----------------------------------------------------------------------------- checkpoints
 async def export_final_model(cfg: GRPOConfig, roles: Roles) -> str:
     """The trained model as a Hugging Face folder, ``<logging.output_dir>/final_model``, that
@@ -178,13 +117,15 @@ async def export_final_model(cfg: GRPOConfig, roles: Roles) -> str:
 
 async def export_step(cfg: GRPOConfig, roles: Roles, step: int, started: float) -> str:
     """The weights of step ``step`` as a Hugging Face folder under ``<output_dir>/exports``, listed
-    in ``exports/index.jsonl`` with the wall seconds since the run started when it was written."""
+    in ``exports/index.jsonl`` with the wall seconds since the run started and the clock time
+    (``unix_time``) when it was written."""
     import json
 
     root = Path(cfg.logging.output_dir) / "exports"
     folder = await call_role("trainer", call_spmd(roles.trainer.export_model, str(root / f"step_{step:08d}")))
     with open(root / "index.jsonl", "a", encoding="utf-8") as index:
-        index.write(json.dumps({"step": step, "wall_s": time.perf_counter() - started, "path": folder}) + "\n")
+        line = {"step": step, "wall_s": time.perf_counter() - started, "unix_time": time.time(), "path": folder}
+        index.write(json.dumps(line) + "\n")
     return folder
 
 

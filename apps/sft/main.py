@@ -30,7 +30,6 @@ Outputs in ``logging.output_dir``: ``config.yaml``, ``metrics.jsonl`` (one line 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 import time
@@ -40,10 +39,21 @@ from typing import TYPE_CHECKING, Any
 import forge.controller  # noqa: F401  (before anything imports monarch)
 from apps.common import cli
 from apps.common.evaluation import EvalPlan, eval_source
-from apps.common.roles import POLICY_ENV, QUIET_ENV, ROLE_ENV, RoleFailed, call_role
+from apps.common.roles import POLICY_ENV, QUIET_ENV, RoleFailed, call_role
 from apps.common.step_log import StepLog
 from apps.common.weights import PolicyWeights
-from apps.grpo.roles import assign_gpus, prepare_data, records_source, settings
+from apps.grpo.roles import (
+    Roles,
+    RoleSpec,
+    assign_gpus,
+    policy_config,
+    prepare_data,
+    records_source,
+    settings,
+    start_all,
+    start_role,
+)
+from forge.actors import Policy
 from forge.data.datasets import PromptEpochs, load_prompts
 from forge.distributed import call_spmd
 from forge.observability import EVAL_STEP
@@ -58,90 +68,41 @@ logger = logging.getLogger("forge.sft")
 SFT_ROLES = ("policy", "trainer")
 
 
-class SFTRoles:
-    """The trainer actor, and the policy service that samples held-out prompts (None without
-    ``eval.generate``)."""
+def role_specs(cfg: SFTConfig, model_path: str) -> list[RoleSpec]:
+    """The trainer actor, and the policy service that samples held-out prompts (``eval.generate``)."""
+    from forge.actors import Trainer, TrainerConfig
+    from forge.actors.trainer import OptimizerSettings
 
-    def __init__(self) -> None:
-        self.trainer: Any = None
-        self.policy: Any = None
-        self.weights: PolicyWeights | None = None
-        self.host_pool: Any = None
+    t = cfg.trainer
+    trainer = TrainerConfig(
+        **settings(t, OptimizerSettings),
+        model_path=model_path,
+        seed=cfg.seed,
+        checkpoint_dir=cfg.checkpoint_dir if t.checkpoint_every else None,
+        total_steps=cfg.steps,
+    )
+    specs = [RoleSpec("trainer", Trainer, trainer, QUIET_ENV, service=False)]
+    if cfg.eval.generate:
+        specs.append(RoleSpec("policy", Policy, policy_config(cfg, model_path, group_size=1), POLICY_ENV))
+    return specs
 
-    async def start(self, cfg: SFTConfig, model_path: str) -> None:
-        """Start the trainer and the policy concurrently; if one fails, stop the other and raise."""
-        from forge.actors import Policy, PolicyConfig, PolicySettings, Trainer, TrainerConfig
-        from forge.actors.trainer import OptimizerSettings
 
-        if cfg.hosts.job != "none":
-            from forge.controller.jobs import host_pool_from
+async def start_roles(cfg: SFTConfig, model_path: str) -> Roles:
+    """Start the roles concurrently; if one fails, stop the other and raise naming it."""
+    roles = Roles()
+    if cfg.hosts.job != "none":
+        from forge.controller.jobs import host_pool_from
 
-            self.host_pool = host_pool_from(cfg.hosts)
-        gpus = assign_gpus(cfg, roles=SFT_ROLES)
-        t = cfg.trainer
-        trainer_cfg = TrainerConfig(
-            **settings(t, OptimizerSettings),
-            model_path=model_path,
-            seed=cfg.seed,
-            checkpoint_dir=cfg.checkpoint_dir if t.checkpoint_every else None,
-            total_steps=cfg.steps,
-        )
-
-        async def trainer() -> None:
-            self.trainer = await Trainer.options(
-                name="trainer", env={**QUIET_ENV, ROLE_ENV: "trainer", **t.env}, **self._placement(cfg, "trainer", gpus)
-            ).as_actor(trainer_cfg)
-
-        async def policy() -> None:
-            p = cfg.policy
-            policy_cfg = PolicyConfig(**settings(p, PolicySettings), model_path=model_path, group_size=1, seed=cfg.seed)
-            policy_cfg.engine_kwargs = {"use_tqdm_on_load": False, **p.engine_kwargs}
-            self.policy = await Policy.options(
-                name="policy",
-                num_replicas=p.num_replicas,
-                env={**POLICY_ENV, ROLE_ENV: "policy", **p.env},
-                **self._placement(cfg, "policy", gpus),
-            ).as_service(policy_cfg)
-
-        starters = {"trainer": trainer, **({"policy": policy} if cfg.eval.generate else {})}
-        results = await asyncio.gather(*(fn() for fn in starters.values()), return_exceptions=True)
-        for name, result in zip(starters, results):
-            if isinstance(result, BaseException):
-                await self.stop()
-                raise RoleFailed(name, result) from result
-        if self.policy is not None:
-            w = cfg.weight_sync
-            self.weights = PolicyWeights(self.trainer, self.policy, w.transport, w.dir, resync_timeout_s=300.0)
-            self.policy.set_resync(self.weights.resync)  # a restarted replica loads the served weights
-
-    def _placement(self, cfg: SFTConfig, role: str, gpus: dict[str, Any]) -> dict[str, Any]:
-        section = getattr(cfg, role)
-        return {
-            "procs": section.procs,
-            "hosts": section.hosts,
-            "host_pool": self.host_pool,
-            "gpus": gpus.get(role),
-            "gpus_per_proc": section.gpus_per_proc,
-        }
-
-    async def stop(self, timeout_s: float = 60.0) -> None:
-        """Stop what was started (in parallel); never raises, never waits past ``timeout_s``."""
-        from forge.controller import ForgeActor
-
-        stops = []
-        if self.policy is not None:
-            stops.append(self.policy.shutdown())
-        if self.trainer is not None:
-            stops.append(ForgeActor.shutdown(self.trainer))
-        try:
-            await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), timeout_s)
-        except asyncio.TimeoutError:
-            logger.warning("some roles did not stop within %.0fs; their processes are reaped at exit", timeout_s)
-        if self.host_pool is not None:
-            try:
-                self.host_pool.close()
-            except Exception as exc:
-                logger.warning("the hosts' job did not stop cleanly: %s", exc)
+        roles.host_pool = host_pool_from(cfg.hosts)
+    gpus = assign_gpus(cfg, roles=SFT_ROLES)
+    await start_all(
+        roles, {spec.name: start_role(spec, cfg, gpus, roles.host_pool) for spec in role_specs(cfg, model_path)}
+    )
+    if roles.policy is not None:
+        w = cfg.weight_sync
+        roles.weights = PolicyWeights(roles.trainer, roles.policy, w.transport, w.dir, resync_timeout_s=300.0)
+        roles.policy.set_resync(roles.weights.resync)  # a restarted replica loads the served weights
+    return roles
 
 
 # ----------------------------------------------------------------------------- the run
@@ -158,10 +119,10 @@ async def run(cfg: SFTConfig, terminal: Any, resume_from: Path | None = None) ->
     records = PromptEpochs(load_prompts(records_source(cfg.data)), cfg.seed)
     held_out = held_out_batch(cfg, fmt)
     plan = eval_plan(cfg, model_path)
-    roles = SFTRoles()
+    roles = Roles()
     log: StepLog | None = None
     try:
-        await roles.start(cfg, model_path)
+        roles = await start_roles(cfg, model_path)
         step = 0
         if resume_from is not None:
             step, _, extra = await call_role("trainer", call_spmd(roles.trainer.load_checkpoint, str(resume_from)))
@@ -185,7 +146,7 @@ async def run(cfg: SFTConfig, terminal: Any, resume_from: Path | None = None) ->
 
 async def train(
     cfg: SFTConfig,
-    roles: SFTRoles,
+    roles: Roles,
     records: PromptEpochs,
     fmt: PromptFormat,
     held_out: SFTBatch | None,
@@ -233,7 +194,7 @@ async def train(
     return None
 
 
-async def evaluate(roles: SFTRoles, held_out: SFTBatch | None, plan: EvalPlan | None, step: int) -> dict[str, float]:
+async def evaluate(roles: Roles, held_out: SFTBatch | None, plan: EvalPlan | None, step: int) -> dict[str, float]:
     """The held-out answers' loss and, with a plan, the policy's accuracy on step ``step``'s weights."""
     t0 = time.perf_counter()
     out: dict[str, float] = {EVAL_STEP: float(step)}

@@ -2,35 +2,53 @@
 
 Each module holds one role and its small config dataclass. The roles know nothing of each
 other: the controller (``apps/grpo/main.py``) wires them together through the service API.
+
+The names below are imported on first use, not with the package: a role's process imports its
+own module (a reward replica loads no model code, a trainer no vLLM), which keeps the start-up of
+a run's processes, all importing at once on the same cores, short.
 """
 
-from forge.actors.dataset import Dataset, DatasetConfig
-from forge.actors.policy import Policy, PolicyConfig, PolicySettings, PromptAffinity, PromptKey, prompt_key
-from forge.actors.reference_model import ReferenceConfig, ReferenceModel, length_bucket
-from forge.actors.replay_buffer import BufferStats, GroupBuffer, ReplayBuffer, Sample, group_version
-from forge.actors.reward import RewardActor, resolve_reward
-from forge.actors.trainer import Trainer, TrainerConfig, TrainerSettings
+from __future__ import annotations
 
-__all__ = [
-    "BufferStats",
-    "Dataset",
-    "DatasetConfig",
-    "GroupBuffer",
-    "Policy",
-    "PolicyConfig",
-    "PolicySettings",
-    "PromptAffinity",
-    "PromptKey",
-    "ReferenceConfig",
-    "ReferenceModel",
-    "ReplayBuffer",
-    "RewardActor",
-    "Sample",
-    "Trainer",
-    "TrainerConfig",
-    "TrainerSettings",
-    "group_version",
-    "length_bucket",
-    "prompt_key",
-    "resolve_reward",
-]
+import importlib
+from typing import Any
+
+_MODULES = {
+    "Dataset": "dataset",
+    "DatasetConfig": "dataset",
+    "Policy": "policy",
+    "PolicyConfig": "policy",
+    "PolicySettings": "policy",
+    "PromptAffinity": "policy",
+    "PromptKey": "policy",
+    "prompt_key": "policy",
+    "ReferenceConfig": "reference_model",
+    "ReferenceModel": "reference_model",
+    "length_bucket": "reference_model",
+    "BufferStats": "replay_buffer",
+    "GroupBuffer": "replay_buffer",
+    "ReplayBuffer": "replay_buffer",
+    "Sample": "replay_buffer",
+    "group_version": "replay_buffer",
+    "RewardActor": "reward",
+    "WeightedReward": "reward",
+    "resolve_reward": "reward",
+    "Trainer": "trainer",
+    "TrainerConfig": "trainer_config",
+    "TrainerSettings": "trainer_config",
+}
+
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'forge.actors' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"forge.actors.{module}"), name)
+    globals()[name] = value  # once imported, a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -59,14 +59,18 @@ def _rows(folder: Path) -> list[dict]:
 
 
 def test_sft_resumes_exports_and_its_model_is_evaluated_and_trained_by_grpo(tmp_path: Path) -> None:
-    """SFT: 4 steps, killed-and-resumed style (a second run with --resume continues to 6 with
-    the same step numbers), held-out loss and accuracy at steps 3 and 6, a final_model. That
-    model then loads as they are in the evaluation app (eval.json with the same figures' names)
-    and as the GRPO app's model.path, whose held-out evaluation runs at step 0, beside training
-    and after the last step."""
-    code, out, err = _sft(tmp_path, "steps=4", "eval.every=3", "trainer.checkpoint_every=2")
+    """SFT: 4 steps with packed sequences, then a second run with --resume on a two-rank FSDP2
+    trainer (the one-rank checkpoint reshards) continues to step 6 with the same step numbers;
+    held-out loss and accuracy at steps 3, 4 and 6; a final_model. That model then loads as it is
+    in the evaluation app (eval.json with the same figures' names) and as the GRPO app's
+    model.path, whose held-out evaluation runs at step 0, beside training and after the last step."""
+    code, out, err = _sft(
+        tmp_path, "steps=4", "eval.every=3", "trainer.checkpoint_every=2", "trainer.pack_sequences=true"
+    )
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
-    code, out, err = _sft(tmp_path, "steps=6", "eval.every=3", "trainer.checkpoint_every=2", "--resume")
+    code, out, err = _sft(
+        tmp_path, "steps=6", "eval.every=3", "trainer.checkpoint_every=2", "trainer.procs=2", "--resume"
+    )
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
     rows = _rows(tmp_path / "sft")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # steps 5 and 6 by the resumed run, none twice

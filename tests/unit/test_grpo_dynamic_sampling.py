@@ -3,7 +3,7 @@ before the buffer, within a per-step bound, and every group stays accounted for.
 
 The decision (``DynamicSampling``) is tested on real ``EpisodeBatch`` groups. The rollout loop
 runs for real against the real replay buffer and dataset actors (in this process, as the app
-runs them) with the training loop's own ``wait_for_batch``; only generation is scripted (a
+runs them) with the training loop's own ``Rollouts.take_batch``; only generation is scripted (a
 ``Rollouts`` whose ``one_group`` makes a group from the prompt, no vLLM), so whether a group is
 uniform is known from its prompt.
 """
@@ -20,7 +20,6 @@ import torch
 from apps.grpo.config import GRPOConfig
 from apps.grpo.roles import Roles
 from apps.grpo.rollouts import DynamicSampling, RolloutCounts, Rollouts, rewards_uniform
-from apps.grpo.training import group_counts, sampling_metrics, wait_for_batch
 from forge.config import load_config
 from forge.losses import group_advantages
 from forge.types import Episode, EpisodeBatch, Prompt
@@ -136,8 +135,8 @@ async def _train_steps(cfg: GRPOConfig, rollouts: ScriptedRollouts, roles: Roles
     tasks = rollouts.start()
     try:
         for _ in range(steps):
-            groups = await asyncio.wait_for(wait_for_batch(cfg, roles, rollouts, 0), 30)
-            rows.append({"groups": groups, **sampling_metrics(rollouts, groups), **group_counts(rollouts)})
+            groups = await asyncio.wait_for(rollouts.take_batch(cfg.prompts_per_step, 0), 30)
+            rows.append({"groups": groups, **rollouts.end_step(groups), **rollouts.group_counts()})
     finally:
         for task in tasks:
             task.cancel()
