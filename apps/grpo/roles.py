@@ -92,7 +92,6 @@ async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
         Policy,
         PolicyConfig,
         PolicySettings,
-        PromptAffinity,
         ReferenceConfig,
         ReferenceModel,
         ReplayBuffer,
@@ -176,7 +175,7 @@ async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
         Policy,
         policy_cfg,
         policy_env,
-        endpoint_routers={"generate": PromptAffinity, "generate_turn": SessionAffinity},
+        endpoint_routers={"generate": "key_affinity", "generate_turn": SessionAffinity},
     )
     reference = functools.partial(service, "reference", ReferenceModel, reference_cfg, quiet, router="least_loaded")
     reward = functools.partial(service, "reward", RewardActor, dict(cfg.reward.fns), quiet, router="least_loaded")

@@ -5,7 +5,7 @@ other: the controller (``apps/grpo/main.py``) wires them together through the se
 """
 
 from forge.actors.dataset import Dataset, DatasetConfig
-from forge.actors.policy import Policy, PolicyConfig, PolicySettings, PromptAffinity, PromptKey, prompt_key
+from forge.actors.policy import Policy, PolicyConfig, PolicySettings, prompt_key
 from forge.actors.reference_model import ReferenceConfig, ReferenceModel, length_bucket
 from forge.actors.replay_buffer import BufferStats, GroupBuffer, ReplayBuffer, Sample, group_version
 from forge.actors.reward import RewardActor, resolve_reward
@@ -19,8 +19,6 @@ __all__ = [
     "Policy",
     "PolicyConfig",
     "PolicySettings",
-    "PromptAffinity",
-    "PromptKey",
     "ReferenceConfig",
     "ReferenceModel",
     "ReplayBuffer",

@@ -4,10 +4,11 @@
 handle a caller holds::
 
     svc = await Scorer.options(num_replicas=3, router="key_affinity").as_service(scale=2)
-    y = await svc.score.route(5, key="prompt-17")    # one item in, one result out
+    y = await svc.score.route(5, key="prompt-17")    # one item in, one result out; key routes
+    y = await svc.score.route(5, batch_key="short")  # batch_key: the batch queue on the replica
     ys = await svc.score.route_many([1, 2, 3])       # results in order
     rs = await svc.ping.fanout()                     # one result per healthy replica
-    p = await svc.predict.route(x, model_id="m7")   # a multiplexed endpoint: name the model
+    p = await svc.predict.route(x, model_id="m7")   # a multiplexed endpoint: the model routes and batches
     async with svc.session():                        # calls inside stick to one replica
         ...
     svc.metrics(); await svc.shutdown()
@@ -39,7 +40,7 @@ from forge.controller.multiplex import check_multiplexing
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import add_fault_listener, remove_fault_listener, replica_gpus
 from forge.controller.replica import QueuedItem, Replica, ReplicaSpec, ReplicaState, aggregate_endpoints, endpoint_view
-from forge.controller.routing import Router, RouteRequest, make_router
+from forge.controller.routing import Pins, Router, RouteRequest, make_router
 
 logger = logging.getLogger("forge.service")
 
@@ -71,7 +72,7 @@ class Service:
             Replica(i, dataclasses.replace(spec, gpus=gpus[i]), on_failure=self._on_replica_failed)
             for i in range(options.num_replicas)
         ]
-        self._session_pins: dict[str, int] = {}
+        self._sessions = Pins()  # svc.session(): a session's replica
         self._stopped = False
         self._fault_listener = self._on_mesh_failure
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -230,17 +231,15 @@ class Service:
             if r.accepting and (r.replica_id, r.generation) not in exclude and (limit is None or r.in_flight < limit)
         ]
 
-    def choose(self, endpoint: str, key: Hashable, candidates: list[Replica]) -> Replica:
+    def choose(self, request: RouteRequest, candidates: list[Replica]) -> Replica:
         """The replica for one request: its session's replica, else the endpoint's router's pick."""
         session = _current_session.get()
-        if session is not None:
-            pinned = self._session_pins.get(session)
-            for replica in candidates:
-                if replica.replica_id == pinned:
-                    return replica
-        chosen = self.router(endpoint).choose(RouteRequest(endpoint, key), candidates)
-        if session is not None:
-            self._session_pins[session] = chosen.replica_id
+        if session is None:
+            return self.router(request.endpoint).choose(request, candidates)  # type: ignore[return-value]
+        chosen = self._sessions.get(session, candidates)
+        if chosen is None:
+            chosen = self.router(request.endpoint).choose(request, candidates)
+            self._sessions.pin(session, chosen)
         return chosen  # type: ignore[return-value]
 
     async def _admit(self, endpoint: str, exclude: set[tuple[int, int]]) -> list[Replica]:
@@ -299,6 +298,7 @@ class Service:
         args: Sequence[Any],
         kwargs: dict[str, Any],
         key: Hashable,
+        batch_key: Hashable,
         timeout: float | None,
         queued: QueuedItem | None = None,
     ) -> Any:
@@ -309,7 +309,7 @@ class Service:
         """
         spec = self.endpoints[endpoint]
         if queued is None:
-            args, kwargs, key = self._checked_call(spec, args, kwargs, key)
+            args, kwargs, key, batch_key = self._checked_call(spec, args, kwargs, key, batch_key)
         if timeout is None and not spec.batched:
             timeout = self.options.call_timeout_s
         # A batched request without its own timeout arms no timer: each batch's message has
@@ -320,10 +320,10 @@ class Service:
         while True:
             attempt, queued = queued, None
             if attempt is None:
-                replica = self.choose(endpoint, key, await self._admit(endpoint, tried))
+                replica = self.choose(RouteRequest(endpoint, key, batch_key), await self._admit(endpoint, tried))
                 origin = (replica.replica_id, replica.generation)
                 if spec.batched:  # never raises: an item the batcher refuses fails in its result
-                    attempt = replica.enqueue(endpoint, args[0], key)
+                    attempt = replica.enqueue(endpoint, args[0], batch_key)
             else:
                 origin = attempt.origin
             try:
@@ -342,7 +342,13 @@ class Service:
                     await self._notify_capacity()
 
     def queue_batched(
-        self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable, timeout: float | None
+        self,
+        endpoint: str,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        key: Hashable,
+        batch_key: Hashable,
+        timeout: float | None,
     ) -> Coroutine[Any, Any, Any]:
         """Queue one item of a batched endpoint *now*, and return the coroutine that waits for it.
 
@@ -358,30 +364,36 @@ class Service:
         candidates = [] if self._stopped or self._waiting else self._candidates(set())
         if candidates:
             try:
-                (item,), _, batch_key = self._checked_call(self.endpoints[endpoint], args, kwargs, key)
-                replica = self.choose(endpoint, batch_key, candidates)
+                (item,), _, rkey, bkey = self._checked_call(self.endpoints[endpoint], args, kwargs, key, batch_key)
+                replica = self.choose(RouteRequest(endpoint, rkey, bkey), candidates)
             except Exception:  # noqa: BLE001 - the plain path meets the same error when it is awaited
                 pass
             else:
-                queued = replica.enqueue(endpoint, item, batch_key)
-                return self.request(endpoint, (item,), {}, batch_key, timeout, queued=queued)
-        return self.request(endpoint, args, kwargs, key, timeout)
+                queued = replica.enqueue(endpoint, item, bkey)
+                return self.request(endpoint, (item,), {}, rkey, bkey, timeout, queued=queued)
+        return self.request(endpoint, args, kwargs, key, batch_key, timeout)
 
     def _checked_call(
-        self, spec: EndpointSpec, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable
-    ) -> tuple[Sequence[Any], dict[str, Any], Hashable]:
+        self, spec: EndpointSpec, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable, batch_key: Hashable
+    ) -> tuple[Sequence[Any], dict[str, Any], Hashable, Hashable]:
         """The call as a replica takes it; a call that does not fit the endpoint fails here,
-        naming the endpoint. A multiplexed endpoint's ``model_id=`` becomes the request's key."""
+        naming the endpoint. A multiplexed endpoint's ``model_id=`` becomes both the request's
+        key and its batch queue."""
         name = f"{self.actor_cls.__name__}.{spec.name}"
         if spec.multiplexed:
             kwargs = dict(kwargs)
             model_id = kwargs.pop("model_id", None)
-            if model_id is None or key is not None:
+            if model_id is None or key is not None or batch_key is not None:
                 raise TypeError(
-                    f"{name} is multiplexed: name the model that serves the item with model_id=... (and no key=), "
-                    f'e.g. route(x, model_id="m7")'
+                    f"{name} is multiplexed: name the model that serves the item with model_id=... (it routes the "
+                    f'item and picks its batch queue; no key= or batch_key=), e.g. route(x, model_id="m7")'
                 )
-            key = model_id
+            key = batch_key = model_id
+        elif batch_key is not None and not spec.batched:
+            raise TypeError(
+                f"{name} is not batched: batch_key= picks a batch queue, which only batched endpoints have "
+                f"(got batch_key={batch_key!r})"
+            )
         if spec.batched:
             if len(args) != 1 or kwargs:
                 raise TypeError(
@@ -393,7 +405,7 @@ class Service:
                 spec.signature.bind(*args, **kwargs)
             except TypeError as exc:
                 raise TypeError(f"{name}{spec.signature}: {exc}") from None
-        return args, kwargs, key
+        return args, kwargs, key, batch_key
 
     async def fanout(
         self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None
@@ -402,12 +414,12 @@ class Service:
         spec = self.endpoints[endpoint]
         if timeout is None and not spec.batched:
             timeout = self.options.call_timeout_s
-        args, kwargs, key = self._checked_call(spec, args, kwargs, None)
+        args, kwargs, _, batch_key = self._checked_call(spec, args, kwargs, None, None)
         replicas = self.healthy_replicas()
         if not replicas:
             raise NoHealthyReplica(f"service {self.name} has no healthy replica for fanout of {endpoint!r}")
         if spec.batched:
-            calls = [r.submit(endpoint, args[0], key, timeout) for r in replicas]
+            calls = [r.submit(endpoint, args[0], batch_key, timeout) for r in replicas]
         else:
             calls = [r.call(endpoint, args, kwargs, timeout) for r in replicas]
         return list(await asyncio.gather(*calls))
@@ -421,7 +433,7 @@ class Service:
             yield session_id
         finally:
             _current_session.reset(token)
-            self._session_pins.pop(session_id, None)
+            self._sessions.forget(session_id)
 
     # ----------------------------------------------------------- metrics
     def metrics(self) -> dict[str, Any]:
@@ -456,38 +468,53 @@ class EndpointHandle:
         self._spec = service.endpoints[name]
 
     def route(
-        self, *args: Any, key: Hashable = None, timeout: float | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        key: Hashable = None,
+        batch_key: Hashable = None,
+        timeout: float | None = None,
+        **kwargs: Any,
     ) -> Coroutine[Any, Any, Any]:
         """One request to one replica chosen by the endpoint's router; await it for the result.
 
         For a batched endpoint pass exactly one item; it is prebatched with others and you get
         its own result back. The item is queued the moment ``route`` is called (as a message is
         sent when you send it), so a burst of calls fills batches before any caller runs.
-        ``key`` is the similarity key used by ``key_affinity`` routing and by per-key batch
-        queues. A multiplexed endpoint takes ``model_id=`` instead: the model that must serve
-        the item.
+
+        ``key`` routes: the similarity key of ``key_affinity``, the session of ``sticky``.
+        ``batch_key`` (batched endpoints) picks the batch queue on the replica: only items of
+        equal batch keys share a batch. Without it the endpoint's ``Batching(key=fn)`` decides,
+        and without that every item shares one queue. A multiplexed endpoint takes
+        ``model_id=`` instead of both: the model that must serve the item routes it and is its
+        batch queue.
         """
         if self._spec.batched:
-            return self._service.queue_batched(self._name, args, kwargs, key, timeout)
-        return self._service.request(self._name, args, kwargs, key, timeout)
+            return self._service.queue_batched(self._name, args, kwargs, key, batch_key, timeout)
+        return self._service.request(self._name, args, kwargs, key, batch_key, timeout)
 
     async def route_many(
         self,
         items: Sequence[Any],
         *,
         keys: Sequence[Hashable] | None = None,
+        batch_keys: Sequence[Hashable] | None = None,
         timeout: float | None = None,
         model_id: Hashable = None,
     ) -> list[Any]:
         """Route each item as its own request, concurrently; results in the items' order.
+        ``keys``/``batch_keys``: one per item, as ``route``'s ``key``/``batch_key``.
         ``model_id``: the model of every item, for a multiplexed endpoint."""
-        if keys is not None and len(keys) != len(items):
-            raise ValueError(f"route_many: {len(keys)} keys for {len(items)} items; give one key per item")
+        for name, given in (("keys", keys), ("batch_keys", batch_keys)):
+            if given is not None and len(given) != len(items):
+                raise ValueError(f"route_many: {len(given)} {name} for {len(items)} items; give one per item")
         keys = keys if keys is not None else [None] * len(items)
+        batch_keys = batch_keys if batch_keys is not None else [None] * len(items)
         extra = {"model_id": model_id} if model_id is not None else {}
-        return list(
-            await asyncio.gather(*(self.route(item, key=k, timeout=timeout, **extra) for item, k in zip(items, keys)))
+        calls = (
+            self.route(item, key=k, batch_key=b, timeout=timeout, **extra)
+            for item, k, b in zip(items, keys, batch_keys)
         )
+        return list(await asyncio.gather(*calls))
 
     async def fanout(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """The same request to every healthy replica; one result per replica."""

@@ -200,6 +200,8 @@ async def test_route_needs_a_model_id(solo):
         await solo.predict.route(1)
     with pytest.raises(TypeError, match="is multiplexed: name the model"):
         await solo.predict.route(1, key="a")
+    with pytest.raises(TypeError, match="no key= or batch_key="):
+        await solo.predict.route(1, model_id="a", batch_key="a")
 
 
 async def test_model_aware_routing_loads_each_model_about_once(trio):

@@ -192,6 +192,29 @@ async def test_equal_keys_meet_on_one_replica_and_batch_together(counter_service
     assert sorted(new.values(), key=len) == [[], [8]]  # one replica, one batch of 8
 
 
+async def test_the_key_routes_and_the_batch_key_picks_the_queue(counter_service):
+    """One routing key, two batch keys: one replica, one batch per batch key. Eight routing keys
+    held on one replica by a session, no batch key: one shared batch."""
+    svc = counter_service
+    before = {s["pid"]: len(s["batch_sizes"]) for s in await svc.stats.fanout()}
+    await asyncio.gather(*(svc.score.route(i, key="prompt-3", batch_key=i % 2) for i in range(8)))
+    after = {s["pid"]: s["batch_sizes"] for s in await svc.stats.fanout()}
+    assert sorted(sizes[before[pid] :] for pid, sizes in after.items()) == [[], [4, 4]]
+    async with svc.session():
+        await svc.stats.route()  # pins the session
+        before = {s["pid"]: len(s["batch_sizes"]) for s in await svc.stats.fanout()}
+        await asyncio.gather(*(svc.score.route(i, key=f"prompt-{i}") for i in range(8)))
+    after = {s["pid"]: s["batch_sizes"] for s in await svc.stats.fanout()}
+    assert sorted(sizes[before[pid] :] for pid, sizes in after.items()) == [[], [8]]
+
+
+async def test_batch_key_on_a_plain_endpoint_is_a_clear_error(counter_service):
+    with pytest.raises(TypeError, match=r"Counter.add is not batched: batch_key= .* \(got batch_key='b'\)"):
+        await counter_service.add.route([1], batch_key="b")
+    with pytest.raises(ValueError, match="2 batch_keys for 3 items"):
+        await counter_service.score.route_many([1, 2, 3], batch_keys=["a", "b"])
+
+
 async def test_session_sticks_to_one_replica(counter_service):
     """Keys that key_affinity spreads over both replicas all go to one inside a session."""
     keys = [f"session-key-{i}" for i in range(6)]
