@@ -93,11 +93,6 @@ class Replica:
         return f"{self.spec.service_name}-r{self.replica_id}-g{self.generation}"
 
     @property
-    def host_index(self) -> int | None:
-        """Index of the replica's first host in the service's HostPool; None on this host."""
-        return self.host_indices[0] if self.host_indices else None
-
-    @property
     def in_flight(self) -> int:
         return self._in_flight
 
@@ -266,17 +261,6 @@ class Replica:
 
         future.add_done_callback(done)
         return QueuedItem(self, endpoint, future)
-
-    async def broadcast_call(
-        self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None
-    ) -> list[Any]:
-        """Call every rank of this replica and return all their results (rank order)."""
-        where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
-        try:
-            values = await await_with_timeout(getattr(self.actor_mesh, endpoint).call(*args, **kwargs), timeout)
-        except BaseException as exc:
-            raise self._failed_call(exc, where) from exc
-        return list(values.values())
 
     async def _load_model(self, model_id: Hashable, evict: list) -> None:
         reply = self.dispatch(LOAD_ENDPOINT, (model_id, evict), {})

@@ -56,15 +56,15 @@ async def test_losing_a_host_moves_its_replicas_to_the_other_host():
 
         clients = [asyncio.ensure_future(traffic()) for _ in range(4)]
         await asyncio.sleep(0.5)
-        victim = next(r for r in svc.service.replicas if r.host_index == 1)
+        victim = next(r for r in svc.service.replicas if r.host_indices == [1])
         workers[1].kill()
         deadline = time.monotonic() + 30
         while not (victim.restarts >= 1 and all(r.state is ReplicaState.HEALTHY for r in svc.service.replicas)):
             assert time.monotonic() < deadline, (
-                f"no recovery: {[(r.state, r.host_index) for r in svc.service.replicas]}"
+                f"no recovery: {[(r.state, r.host_indices) for r in svc.service.replicas]}"
             )
             await asyncio.sleep(0.1)
-        assert victim.host_index == 0
+        assert victim.host_indices == [0]
         await asyncio.sleep(0.5)
         stop.set()
         await asyncio.gather(*clients)
