@@ -367,32 +367,32 @@ class Service:
                     candidates = self._candidates(exclude)
                     if candidates:
                         return candidates
-                    if not any(
-                        r.state in (ReplicaState.STARTING, ReplicaState.RECOVERING, ReplicaState.HEALTHY)
-                        or r.replica_id in self._recoveries
-                        for r in self.replicas
-                    ):
+                    if not self._may_recover():
                         states = {r.replica_id: r.state.value for r in self.replicas}
                         raise NoHealthyReplica(
                             f"service {self.name} has no replica that can take {endpoint!r}: {states}"
                         )
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        if self.healthy_replicas():
-                            raise Overloaded(
-                                f"service {self.name}: every replica holds max_in_flight_per_replica="
-                                f"{self.options.max_in_flight_per_replica} requests; "
-                                f"waited {self.options.queue_timeout_s}s"
-                            )
-                        raise NoHealthyReplica(
-                            f"service {self.name}: no replica recovered within {self.options.queue_timeout_s}s"
-                        )
-                    try:
+                        raise self._admission_timeout()
+                    with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._capacity_changed.wait(), remaining)
-                    except asyncio.TimeoutError:
-                        pass
         finally:
             self._waiting -= 1
+
+    def _may_recover(self) -> bool:
+        """Whether some replica takes traffic now or may again (starting, resyncing, restarting)."""
+        live = (ReplicaState.STARTING, ReplicaState.RECOVERING, ReplicaState.HEALTHY)
+        return any(r.state in live or r.replica_id in self._recoveries for r in self.replicas)
+
+    def _admission_timeout(self) -> Exception:
+        """The error of a caller that waited ``queue_timeout_s`` for admission in vain."""
+        if self.healthy_replicas():
+            return Overloaded(
+                f"service {self.name}: every replica holds max_in_flight_per_replica="
+                f"{self.options.max_in_flight_per_replica} requests; waited {self.options.queue_timeout_s}s"
+            )
+        return NoHealthyReplica(f"service {self.name}: no replica recovered within {self.options.queue_timeout_s}s")
 
     def _request(
         self,
