@@ -79,7 +79,7 @@ class RoleSpec:
 
 def role_specs(cfg: GRPOConfig, model_path: str) -> list[RoleSpec]:
     """The GRPO run's remote roles: the policy, reference, reward (and env) services and the trainer."""
-    from forge.actors import PromptAffinity, ReferenceConfig, ReferenceModel, RewardActor, Trainer
+    from forge.actors import ReferenceConfig, ReferenceModel, RewardActor, Trainer
     from forge.envs import SessionAffinity
 
     p = cfg.policy
@@ -89,7 +89,7 @@ def role_specs(cfg: GRPOConfig, model_path: str) -> list[RoleSpec]:
         dtype=cfg.reference.dtype,
         pack_sequences=cfg.reference.pack_sequences,
     )
-    routers = {"endpoint_routers": {"generate": PromptAffinity, "generate_turn": SessionAffinity}}
+    routers = {"endpoint_routers": {"generate": "key_affinity", "generate_turn": SessionAffinity}}
     specs = [
         RoleSpec("policy", Policy, policy_config(cfg, model_path, cfg.group_size), POLICY_ENV, options=routers),
         RoleSpec("reference", ReferenceModel, reference, QUIET_ENV, options={"router": "least_loaded"}),

@@ -19,8 +19,6 @@ _MODULES = {
     "Policy": "policy",
     "PolicyConfig": "policy",
     "PolicySettings": "policy",
-    "PromptAffinity": "policy",
-    "PromptKey": "policy",
     "prompt_key": "policy",
     "ReferenceConfig": "reference_model",
     "ReferenceModel": "reference_model",

@@ -2,7 +2,7 @@
 
 Callers send one ``Prompt`` each::
 
-    policy = await Policy.options(endpoint_routers={"generate": PromptAffinity}).as_service(cfg)
+    policy = await Policy.options(endpoint_routers={"generate": "key_affinity"}).as_service(cfg)
     group = await policy.generate.route(prompt, key=prompt_key(prompt))
 
 The replica prebatches concurrent prompts, and ``PolicyConfig.engine_mode`` says how a batch
@@ -17,9 +17,9 @@ the trainer computes) and the policy version it was sampled with.
 ``update_weights(state_dict, version)`` loads new weights into the running engine in place.
 Endpoints of one actor run one at a time, so an update never lands in the middle of a batch.
 
-Routing: ``prompt_key`` + ``PromptAffinity`` send a prompt (and any retry of it) to the replica
-that owns it by rendezvous hashing, where its prefix may still be cached; the key still lets
-every prompt share one batch on that replica (see ``PromptKey``).
+Routing: ``prompt_key`` + ``key_affinity`` send a prompt (and any retry of it) to the replica
+that owns it by rendezvous hashing, where its prefix may still be cached. The key only routes:
+on the replica every prompt shares ``generate``'s one batch queue.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from forge.controller import Batching, ForgeActor, KeyAffinity, endpoint
-from forge.controller.routing import RouteRequest
+from forge.controller import Batching, ForgeActor, endpoint
 from forge.observability import record_metric
 from forge.types import Completion, Group, Prompt, SampleRequest, TurnRequest, TurnResult
 
@@ -44,8 +43,6 @@ __all__ = [
     "Policy",
     "PolicyConfig",
     "PolicySettings",
-    "PromptAffinity",
-    "PromptKey",
     "prompt_key",
 ]
 
@@ -100,47 +97,9 @@ class PolicyConfig(PolicySettings):
     """Seed of the engine's sampler."""
 
 
-@dataclass(frozen=True)
-class PromptKey:
-    """A routing key that routes by prompt but batches with every other prompt.
-
-    The service uses the key a caller passes both to route (``KeyAffinity`` hashes ``affinity``)
-    and to pick the replica's batch queue (equal keys share a batch). For generation we want
-    affinity per prompt but one batch for all prompts, so every ``PromptKey`` compares equal.
-    """
-
-    affinity: str = field(compare=False)
-
-    def __hash__(self) -> int:
-        return hash(PromptKey)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, PromptKey)
-
-    def __repr__(self) -> str:
-        return f"PromptKey({self.affinity!r})"
-
-
-def prompt_key(prompt: Prompt) -> PromptKey:
-    """The routing key of a prompt: its text."""
-    return PromptKey(prompt.text)
-
-
-class PromptAffinity(KeyAffinity):
-    """``KeyAffinity`` on ``PromptKey.affinity`` (rendezvous hashing, bounded imbalance).
-
-    Batch-aware preference is off: every ``PromptKey`` is "the same batch", so it would send
-    every prompt to whichever replica has a batch forming and undo the affinity.
-    """
-
-    def __init__(self, load_factor: float = 1.5, slack: int = 2, seed: int | None = None) -> None:
-        super().__init__(load_factor=load_factor, slack=slack, batch_aware=False, seed=seed)
-
-    def choose(self, request: RouteRequest, replicas: Sequence[Any]) -> Any:
-        key: Hashable = request.key
-        if isinstance(key, PromptKey):
-            request = RouteRequest(request.endpoint, key.affinity)
-        return super().choose(request, replicas)
+def prompt_key(prompt: Prompt) -> str:
+    """The routing key of a prompt: its text (equal prompts meet on one replica)."""
+    return prompt.text
 
 
 @dataclass

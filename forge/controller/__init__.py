@@ -19,6 +19,7 @@ from forge.controller.errors import (
     RequestTimeout,
     ServiceStopped,
 )
+from forge.controller.handle import EndpointHandle, ServiceInterface
 from forge.controller.hosts import HostPool, NotEnoughHosts
 from forge.controller.multiplex import Multiplexing, model_loader
 from forge.controller.options import ActorOptions
@@ -35,7 +36,7 @@ from forge.controller.routing import (
     Sticky,
     register_router,
 )
-from forge.controller.service import EndpointHandle, Service, ServiceInterface
+from forge.controller.service import Service
 
 __all__ = [
     "ActorLauncher",

@@ -2,8 +2,9 @@
 
 Monarch reads these once, at import time, in the controller and in every child process it
 spawns (children inherit the parent's environment). forge sets defaults that suit services:
-a dead replica is noticed in about a second instead of ten, and Monarch's internal log file
-stays quiet. A user who sets a variable first keeps their value.
+a dead replica is noticed within one supervision poll, which forge makes much shorter than
+Monarch's default, and Monarch's internal log file stays quiet. A user who sets a variable
+first keeps their value. (How soon a killed replica is noticed: docs/benchmarks.md, section 3.)
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import os
 import sys
 
 DEFAULTS = {
-    # Failure detection: ~10 s by default, ~1 s with this (values under ~500ms were flaky).
+    # Failure detection: a death is noticed within one poll. Much shorter polls made detection flaky.
     "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY": "1s",
     # A process on a host whose worker died never answers a state query: Monarch reports it
     # failed ("no status received from process") after this long instead of a minute.
     "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "10s",
-    # Monarch's own log file grows ~80 KB per script at the default level.
+    # Monarch's own log file grows with every script at the default level.
     "MONARCH_FILE_LOG": "error",
 }
 
@@ -31,7 +32,7 @@ def apply_monarch_env() -> None:
     if missing and "monarch" in sys.modules:
         logging.getLogger("forge").warning(
             "monarch was imported before forge.controller; %s take effect only in child "
-            "processes. Import forge.controller first for ~1 s failure detection.",
+            "processes. Import forge.controller first for fast failure detection.",
             ", ".join(missing),
         )
 

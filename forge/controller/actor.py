@@ -33,11 +33,12 @@ from monarch.actor import Actor
 
 from forge.controller.endpoint import endpoint
 from forge.controller.errors import ForgeError
+from forge.controller.handle import ServiceInterface
+from forge.controller.messages import await_with_timeout, translate_error
 from forge.controller.multiplex import model_store
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import place_replica, replica_gpus
-from forge.controller.replica import await_with_timeout, translate_error
-from forge.controller.service import Service, ServiceInterface
+from forge.controller.service import Service
 
 logger = logging.getLogger("forge.actor")
 

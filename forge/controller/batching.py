@@ -12,8 +12,10 @@ each batched endpoint. The contract, clause by clause (each has a test):
   With ``send_full=True`` a batch that is full (it cannot grow) starts even when the slots are
   taken: the replica uses it for endpoints whose actor runs one message at a time, where the
   batch then waits in the actor's mailbox instead of in the controller.
-- One queue per key: items of different keys never share a batch; a queue that runs empty is
-  removed, so keys cost nothing once idle.
+- One queue per batch key: items of different keys never share a batch; a queue that runs
+  empty is removed, so keys cost nothing once idle. Through a service an item's batch key is
+  ``route(..., batch_key=)``, else ``Batching.key(item)``, else None (one queue for all); it
+  never routes.
 - A key's queue can be held back (``runnable(key)`` is False, e.g. its model is loading): it
   keeps growing, and the other keys use the slots meanwhile.
 - Callers cancelled before their batch runs are dropped from it; if all are, nothing runs.
@@ -26,21 +28,18 @@ each batched endpoint. The contract, clause by clause (each has a test):
 from __future__ import annotations
 
 import asyncio
-import collections
-import heapq
 import inspect
-import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from forge.controller.batch_queues import NO_KEY, KeyQueues, Pending
 from forge.controller.errors import BatchResultError, ServiceStopped
 
 logger = logging.getLogger("forge.batching")
 
-_NO_KEY = object()
 Enbatch = Callable[[list[Any]], Any]
 Debatch = Callable[[Any, int], Sequence[Any]]
 
@@ -64,7 +63,8 @@ class Batching:
     size_fn: Callable[[Any], int] | None = None
     """Size of one item (e.g. its token count); batches are then limited by total size."""
     key: Callable[[Any], Hashable] | None = None
-    """Batching key of an item when the caller gives none: only equal keys share a batch."""
+    """Batch key of an item whose caller names none (``route(..., batch_key=)``): only equal keys
+    share a batch. It picks the queue on the replica, never the replica."""
     enbatch: Enbatch | str | None = None
     """Builds the one payload sent to the actor from the list of items (e.g. pads token lists
     into one tensor). A string names a static/class method of the actor class. Default: the
@@ -107,43 +107,6 @@ class Batching:
 
 
 @dataclass
-class _Pending:
-    item: Any
-    size: int
-    future: asyncio.Future
-    enqueued_at: float
-
-
-@dataclass(eq=False)
-class _KeyQueue:
-    """One key's items, plus its place in the Batcher's ready structures.
-
-    ``epoch`` changes whenever the queue is held back, which voids its entries in the deadline
-    heap and the full-queue list at once (they are dropped lazily when they come to the front).
-    """
-
-    items: collections.deque = field(default_factory=collections.deque)
-    total_size: int = 0
-    held: bool = False
-    epoch: int = 0
-
-    def drop_done_head(self) -> int:
-        """Drop callers at the head that were cancelled (O(1) per dropped item); return how many.
-
-        Cancelled items further back stay until their batch is taken, where they are skipped;
-        scanning the whole queue on every look would make a deep queue quadratic.
-        """
-        dropped = 0
-        while self.items and self.items[0].future.done():
-            self.total_size -= self.items.popleft().size
-            dropped += 1
-        return dropped
-
-    def oldest(self) -> float:
-        return self.items[0].enqueued_at
-
-
-@dataclass
 class BatchStats:
     """Running totals a replica reports in ``Service.metrics()`` (sums only: the service adds
     replicas up and computes the means)."""
@@ -164,13 +127,10 @@ class Batcher:
     starts, so an executor that sends its message when called sends it at once. A replica owns one
     ``Batcher`` per batched endpoint; tests drive it with a plain coroutine.
 
-    Why the ready state lives in a heap and a list: session keys mean thousands of live keys
-    with a couple of items each. The dispatcher must find the next ready batch without looking
-    at every key, so each queue has one entry in a heap ordered by its first item's deadline
-    (which is also the order of first items' ages), and the queues that are full are listed in
-    the order they filled. Starting a batch costs O(log keys), not O(keys). Entries are fixed
-    lazily: one that points at a queue whose head was taken or cancelled is re-pushed with the
-    right deadline when it reaches the top.
+    The queues and the order in which they become ready (a deadline heap and a list of full
+    queues, O(log keys) per batch whatever the number of live keys) are ``KeyQueues``
+    (``forge.controller.batch_queues``); the Batcher owns the execution slots, the dispatcher
+    task and the results.
     """
 
     def __init__(
@@ -191,16 +151,7 @@ class Batcher:
         self.stats = BatchStats()
         self._execute = execute
         self._clock = clock
-        self._runnable = runnable
-        self._queues: dict[Hashable, _KeyQueue] = {}
-        # (first item's deadline, tie-break, key, queue, queue epoch): one live entry per queue
-        # that is neither empty nor held. The tie-break keeps keys (maybe unorderable) out of
-        # the comparison.
-        self._deadlines: list[tuple[float, int, Hashable, _KeyQueue, int]] = []
-        self._full: collections.OrderedDict[Hashable, tuple[_KeyQueue, int]] = collections.OrderedDict()
-        self._held: dict[Hashable, _KeyQueue] = {}  # queues whose key is not runnable yet
-        self._tie = itertools.count()
-        self._queued = 0  # items in the queues (cancelled ones included until dropped)
+        self._queues = KeyQueues(spec.max_size, spec.max_wait_s, clock, runnable)
         self._free_slots = spec.max_concurrent_batches  # below 0 while full batches run past the slots
         self._send_full = send_full
         self._wakeup = asyncio.Event()
@@ -214,7 +165,8 @@ class Batcher:
         return await self.enqueue(item, key)
 
     def enqueue(self, item: Any, key: Hashable = None) -> asyncio.Future:
-        """Queue one item; the returned future resolves to its own result.
+        """Queue one item under ``key`` (None: ``spec.key(item)`` if the spec has one); the
+        returned future resolves to its own result.
 
         Synchronous on purpose: enqueueing costs no task, and cancelling the future drops
         the item from its batch.
@@ -235,78 +187,50 @@ class Batcher:
                 f"{self.name}: item of size {size} can never fit a batch of max_size={self.spec.max_size}"
             )
         future = asyncio.get_running_loop().create_future()
-        now = self._clock()
-        queue = self._queues.get(key)
-        if queue is None:
-            queue = self._queues[key] = _KeyQueue()
-            self._push_deadline(key, queue, now + self.spec.max_wait_s)
-        queue.items.append(_Pending(item, size, future, now))
-        queue.total_size += size
-        self._queued += 1
-        if queue.total_size >= self.spec.max_size:
-            runnable = self._runnable is None or self._runnable(key)
-            if queue.held and runnable:
-                self._release(key, queue)
-            if not queue.held and key not in self._full:
-                self._full[key] = (queue, queue.epoch)
-            if (self._free_slots > 0 or self._send_full) and runnable:
-                # Full with a slot free (or full batches may go past the slots): start it now. In a
-                # burst of singletons this sends the first batches before the rest is even queued.
-                self._start(key)
+        full = self._queues.add(key, Pending(item, size, future, self._clock()))
+        if full and (self._free_slots > 0 or self._send_full):
+            # Full with a slot free (or full batches may go past the slots): start it now. In a
+            # burst of singletons this sends the first batches before the rest is even queued.
+            self._start(key)
         self._ensure_dispatcher()
         self._wakeup.set()
         return future
 
     def has_forming(self, key: Hashable) -> bool:
         """Whether a batch for ``key`` is waiting for more items (batch-aware routing uses it)."""
-        return self.prune(key)
+        return self._queues.prune(key)
 
     def prune(self, key: Hashable) -> bool:
         """Drop the cancelled callers at the head of ``key``'s queue, and the queue itself once
         nothing is left in it; returns whether it still holds items. For a key that will never
         run again (a load of a model whose callers all left) this is how its queue goes."""
-        queue = self._queues.get(key)
-        return queue is not None and self._prune(key, queue)
+        return self._queues.prune(key)
 
     @property
     def queued(self) -> int:
         """Items waiting in the queues (O(1): kept as a count)."""
-        return self._queued
+        return self._queues.queued
 
     @property
     def keys(self) -> list[Hashable]:
-        return list(self._queues)
+        return self._queues.keys()
 
     def wake(self) -> None:
         """Look at the queues again (a key held back by ``runnable`` may now run)."""
-        for key, queue in list(self._held.items()):
-            if self._runnable is None or self._runnable(key):
-                self._release(key, queue)
+        self._queues.release_runnable()
         self._wakeup.set()
 
     def fail(self, key: Hashable, error: BaseException) -> None:
         """Fail every queued item of ``key`` with ``error`` and drop its queue."""
-        queue = self._queues.get(key)
-        if queue is not None:
-            self._forget(key)  # its heap entry dies with it (checked by identity)
-            self._queued -= len(queue.items)
-            for pending in queue.items:
-                if not pending.future.done():
-                    self.stats.errors += 1
-                    pending.future.set_exception(error)
+        for pending in self._queues.remove(key):
+            if not pending.future.done():
+                self.stats.errors += 1
+                pending.future.set_exception(error)
 
     async def close(self, error: BaseException | None = None) -> None:
         """Fail every queued and running item with ``error`` and stop the dispatcher."""
         self._closed = error or ServiceStopped(f"{self.name}: the batcher was closed")
-        for queue in self._queues.values():
-            for pending in queue.items:
-                if not pending.future.done():
-                    pending.future.set_exception(self._closed)
-        self._queues.clear()
-        self._deadlines.clear()
-        self._full.clear()
-        self._held.clear()
-        self._queued = 0
+        _fail_all(self._queues.clear(), self._closed)
         tasks = [t for t in (self._dispatcher, *self._running) if t is not None]
         for task in tasks:
             task.cancel()
@@ -321,117 +245,20 @@ class Batcher:
         """Start each batch as soon as it is ready and a slot is free; forever."""
         while True:
             while self._free_slots > 0 or self._send_full:
-                ready_key = self._next_ready(full_only=self._free_slots <= 0)
-                if ready_key is _NO_KEY:
+                ready_key = self._queues.next_ready(full_only=self._free_slots <= 0)
+                if ready_key is NO_KEY:
                     break
                 self._start(ready_key)
             self._wakeup.clear()
             timeout = None  # with no slot free, only a finished batch (or wake) can change anything
             if self._free_slots > 0:
-                top = self._deadline_top()
-                if top is not None:
-                    timeout = max(0.0, top[0] - self._clock())
+                deadline = self._queues.next_deadline()
+                if deadline is not None:
+                    timeout = max(0.0, deadline - self._clock())
             try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
-
-    def _next_ready(self, full_only: bool) -> Hashable:
-        """The key to start next, or _NO_KEY (None is a valid key).
-
-        The deadline heap's top holds the oldest first item of all: when it is due (or full) it
-        is the oldest ready queue. Otherwise no queue is due, and the ready ones are the full
-        ones, in the order they filled. ``full_only``: no slot is free, only a full queue may go
-        (see ``send_full``).
-        """
-        if not full_only:
-            top = self._deadline_top()
-            if top is not None:
-                deadline, _, key, queue, _ = top
-                if deadline <= self._clock() or queue.total_size >= self.spec.max_size:
-                    return key
-        return self._full_front()
-
-    def _push_deadline(self, key: Hashable, queue: _KeyQueue, deadline: float) -> None:
-        heapq.heappush(self._deadlines, (deadline, next(self._tie), key, queue, queue.epoch))
-
-    def _live(self, key: Hashable, queue: _KeyQueue, epoch: int) -> bool:
-        """Whether a heap or full-list entry still stands for a queue that can run now.
-
-        Drops cancelled callers at the queue's head (``_prune``) and holds the queue back if its
-        key is not runnable.
-        """
-        if self._queues.get(key) is not queue or queue.epoch != epoch:
-            return False  # the queue was emptied, failed or held since this entry was made
-        if not self._prune(key, queue):
-            return False
-        if self._runnable is not None and not self._runnable(key):
-            self._hold(key, queue)
-            return False
-        return True
-
-    def _deadline_top(self) -> tuple[float, int, Hashable, _KeyQueue, int] | None:
-        """The heap's top once it is exact: live, and with its queue's real first deadline."""
-        heap = self._deadlines
-        while heap:
-            deadline, _, key, queue, epoch = top = heap[0]
-            if not self._live(key, queue, epoch):
-                heapq.heappop(heap)
-                continue
-            actual = queue.oldest() + self.spec.max_wait_s
-            if actual != deadline:  # its head was taken or cancelled since: re-file it
-                heapq.heapreplace(heap, (actual, next(self._tie), key, queue, epoch))
-                continue
-            return top
-        return None
-
-    def _full_front(self) -> Hashable:
-        while self._full:
-            key, (queue, epoch) = next(iter(self._full.items()))
-            if not self._live(key, queue, epoch):
-                self._full.pop(key, None)
-                continue
-            if queue.total_size < self.spec.max_size:  # cancelled items made room: it can grow
-                del self._full[key]
-                continue
-            return key
-        return _NO_KEY
-
-    def _hold(self, key: Hashable, queue: _KeyQueue) -> None:
-        queue.held = True
-        queue.epoch += 1  # voids its heap and full-list entries
-        self._full.pop(key, None)
-        self._held[key] = queue
-
-    def _release(self, key: Hashable, queue: _KeyQueue) -> None:
-        """A held queue may run again: file it in the deadline heap (and the full list)."""
-        del self._held[key]
-        queue.held = False
-        self._push_deadline(key, queue, queue.oldest() + self.spec.max_wait_s)
-        if queue.total_size >= self.spec.max_size:
-            self._full[key] = (queue, queue.epoch)
-
-    # ------------------------------------------------------- a queue's lifecycle
-    # A queue is registered (in ``_queues``) exactly while it holds items: ``enqueue`` creates it
-    # with its first item and files its deadline; whatever takes its last item (a batch, a
-    # cancelled caller dropped, ``fail``) forgets it in the same step. So an item always lands
-    # either in a new queue, which files a deadline, or in a live queue whose deadline entry (or
-    # held state, whose release files one) is already there: no empty queue can swallow later items.
-    def _prune(self, key: Hashable, queue: _KeyQueue) -> bool:
-        """Drop cancelled callers at the head of ``key``'s queue; forget the queue if that
-        emptied it. Returns whether it still holds items."""
-        self._queued -= queue.drop_done_head()
-        if queue.items:
-            return True
-        self._forget(key)
-        return False
-
-    def _forget(self, key: Hashable) -> None:
-        """Unregister ``key``'s queue everywhere. Its heap entry is dropped lazily: it no longer
-        matches ``_queues`` (by identity)."""
-        self._queues.pop(key, None)
-        self._full.pop(key, None)
-        self._held.pop(key, None)
 
     def _start(self, key: Hashable) -> None:
         """Take a batch of ``key`` into a free slot and hand it to the executor now.
@@ -439,7 +266,7 @@ class Batcher:
         The executor is called synchronously: one that sends its message when called (the
         replica's does) puts the batch on the wire before this returns.
         """
-        live = self._take(key)
+        live = self._queues.take(key)
         if not live:
             return
         now = self._clock()
@@ -458,69 +285,49 @@ class Batcher:
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    def _take(self, key: Hashable) -> list[_Pending]:
-        """Pop one batch off ``key``'s queue. Its heap entry is now early; it is re-filed lazily."""
-        queue = self._queues[key]
-        batch: list[_Pending] = []
-        total = 0
-        while queue.items and total + queue.items[0].size <= self.spec.max_size:
-            pending = queue.items.popleft()
-            queue.total_size -= pending.size
-            self._queued -= 1
-            if not pending.future.done():  # skip callers cancelled while queued
-                total += pending.size
-                batch.append(pending)
-        if not queue.items:
-            self._forget(key)
-        elif key in self._full:
-            if queue.total_size >= self.spec.max_size:
-                self._full.move_to_end(key)  # full again: behind the other full keys
-            else:
-                del self._full[key]
-        return batch
-
-    async def _run(self, live: list[_Pending], pending_result: Awaitable[Sequence[Any]]) -> None:
+    async def _run(self, live: list[Pending], pending_result: Awaitable[Sequence[Any]]) -> None:
+        """Wait for one batch's results and give each caller its own; then free the slot."""
         try:
-            try:
-                results = await pending_result
-            except Exception as exc:
-                self.stats.errors += len(live)
-                _fail_all(live, exc)
-                return
-            if not isinstance(results, (list, tuple)) or len(results) != len(live):
-                got = (
-                    f"{type(results).__name__} of length {len(results)}"
-                    if isinstance(results, (list, tuple))
-                    else type(results).__name__
-                )
-                self.stats.errors += len(live)
-                _fail_all(
-                    live,
-                    BatchResultError(
-                        f"{self.name}: a batch of {len(live)} items must return a list of {len(live)} results, "
-                        f"got {got}"
-                    ),
-                )
-                return
-            for pending, result in zip(live, results):
-                if pending.future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    self.stats.errors += 1
-                    pending.future.set_exception(result)
-                else:
-                    pending.future.set_result(result)
-        except asyncio.CancelledError:
+            results = await pending_result
+        except asyncio.CancelledError:  # closed while the batch ran
             _fail_all(live, self._closed or ServiceStopped(f"{self.name}: batch cancelled"))
             raise
+        except Exception as exc:
+            self.stats.errors += len(live)
+            _fail_all(live, exc)
+        else:
+            self._deliver(live, results)
         finally:
             if inspect.iscoroutine(pending_result):
                 pending_result.close()  # never awaited if we were cancelled first
             self._free_slots += 1
             self._wakeup.set()
 
+    def _deliver(self, live: list[Pending], results: Any) -> None:
+        """One result per caller, in order; an ``Exception`` in a slot fails only its caller."""
+        if not isinstance(results, (list, tuple)) or len(results) != len(live):
+            got = (
+                f"{type(results).__name__} of length {len(results)}"
+                if isinstance(results, (list, tuple))
+                else type(results).__name__
+            )
+            self.stats.errors += len(live)
+            error = BatchResultError(
+                f"{self.name}: a batch of {len(live)} items must return a list of {len(live)} results, got {got}"
+            )
+            _fail_all(live, error)
+            return
+        for pending, result in zip(live, results):
+            if pending.future.done():
+                continue
+            if isinstance(result, BaseException):
+                self.stats.errors += 1
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
 
-def _fail_all(batch: list[_Pending], exc: BaseException) -> None:
+
+def _fail_all(batch: list[Pending], exc: BaseException) -> None:
     for pending in batch:
         if not pending.future.done():
             pending.future.set_exception(exc)

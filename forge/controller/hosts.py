@@ -104,10 +104,6 @@ class HostPool:
     def alive(self) -> list[int]:
         return [i for i in range(self.size) if i not in self.dead]
 
-    def pick(self, avoid: int | None = None) -> int:
-        """The next live host index in turn, preferring one other than ``avoid``."""
-        return self.pick_hosts(1, avoid=() if avoid is None else (avoid,))[0]
-
     def pick_hosts(self, count: int, avoid: Sequence[int] = (), who: str = "a replica") -> list[int]:
         """``count`` neighbouring live hosts, in turn, preferring a slice without ``avoid``'s hosts.
 

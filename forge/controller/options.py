@@ -72,7 +72,8 @@ class ActorOptions:
     ``Overloaded`` (or ``NoHealthyReplica``)."""
     health_interval_s: float | None = 5.0
     """How often an idle or stalled replica is probed. Process death is noticed by Monarch
-    within ~1 s anyway; probes catch what Monarch cannot see (a host whose worker died).
+    within one supervision poll anyway (``forge.controller._env``); probes catch what Monarch
+    cannot see (a host whose worker died).
     None: no probes."""
     health_timeout_s: float = 120.0
     """A replica that answers no probe and finishes no request for this long is failed.

@@ -1,22 +1,22 @@
 """One replica of a service: its proc mesh, its actor mesh, its batchers, its state.
 
-A replica turns a service request into Monarch messages. Plain endpoints get one message per
+The replica owns its lifecycle: it starts, fails (``mark_failed``), restarts as a new
+generation that takes traffic only after the service's resync, and stops. The service decides
+only *when* to restart it (backoff, limits).
+
+Its request paths turn a service request into Monarch messages (``send``; the call records and
+the batch executor are in ``forge.controller.messages``). Plain endpoints get one message per
 request; batched endpoints go through one ``Batcher`` each, which sends one message per batch.
 Multiplexed endpoints share one ``ReplicaModels``, which loads and evicts the replica's models
 and holds a model's queue back while it loads. Every message has a timeout, and Monarch's
 errors become forge's: the endpoint's own exception becomes ``EndpointError``, a dead process
-``ReplicaFailed``, no answer ``RequestTimeout``.
-
-The replica owns its lifecycle: it starts, fails (``mark_failed``), restarts as a new
-generation that takes traffic only after the service's resync, and stops. The service decides
-only *when* to restart it (backoff, limits). Its metrics are sums (counts and totals), so that
-the service can add replicas up before it computes any mean.
+``ReplicaFailed``, no answer ``RequestTimeout``. Its metrics are sums (counts and totals), so
+that the service can add replicas up before it computes any mean (``forge.controller.metrics``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import enum
 import logging
 import time
@@ -24,28 +24,17 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
 from monarch.actor import ActorError, ProcMesh
 
-from forge.controller.batching import Batcher, BatchStats
+from forge.controller.batching import Batcher
 from forge.controller.endpoint import EndpointSpec
-from forge.controller.errors import (
-    EndpointError,
-    ReplicaFailed,
-    RequestTimeout,
-    ServiceStopped,
-    UnsendableArgument,
-    describe,
-)
+from forge.controller.errors import ReplicaFailed, ServiceStopped, describe
+from forge.controller.messages import BatchSender, Call, PlainCall, QueuedItem, await_with_timeout, translate_error
+from forge.controller.metrics import EndpointCounters, endpoint_sums
 from forge.controller.model_cache import ReplicaModels
 from forge.controller.multiplex import LOAD_ENDPOINT, Multiplexing
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import place_replica
-
-try:  # the type Monarch raises when a process of the mesh died
-    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-except ImportError:  # pragma: no cover - layout of a future Monarch
-    SupervisionError = RuntimeError  # type: ignore[misc,assignment]
 
 logger = logging.getLogger("forge.replica")
 _ABORT = "forge: replica failed"
@@ -57,14 +46,6 @@ class ReplicaState(str, enum.Enum):
     RECOVERING = "recovering"
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-@dataclass
-class _EndpointCounters:
-    requests: int = 0
-    errors: int = 0
-    in_flight: int = 0
-    messages: int = 0
 
 
 @dataclass
@@ -82,74 +63,6 @@ class ReplicaSpec:
     multiplexing: Multiplexing | None = None
 
 
-async def await_with_timeout(awaitable: Any, timeout: float | None) -> Any:
-    """Await a Monarch future (or anything awaitable) with a timeout.
-
-    ``asyncio.timeout`` (3.11+) costs no extra task per call, which matters on the hot path
-    where a local Monarch call takes well under a millisecond.
-    """
-    if hasattr(asyncio, "timeout"):
-        async with asyncio.timeout(timeout):
-            return await awaitable
-
-    async def _await() -> Any:
-        return await awaitable
-
-    return await asyncio.wait_for(_await(), timeout)
-
-
-def translate_error(exc: BaseException, where: str) -> BaseException:
-    """Monarch's exception for a failed call -> the forge error a caller should see."""
-    if isinstance(exc, ActorError):
-        remote = getattr(exc, "exception", None)
-        if isinstance(remote, SupervisionError):
-            return ReplicaFailed(f"{where}: the replica's process failed: {describe(remote)}")
-        if remote is None:
-            return EndpointError(where, "ActorError", describe(exc))
-        return EndpointError(where, type(remote).__name__, str(remote), remote)
-    if isinstance(exc, SupervisionError):
-        return ReplicaFailed(f"{where}: the replica's process failed: {describe(exc)}")
-    if isinstance(exc, TypeError) and "pickle" in str(exc):
-        return UnsendableArgument(f"{where}: an argument cannot be sent to the replica (it must be picklable): {exc}")
-    if isinstance(exc, asyncio.TimeoutError):
-        return RequestTimeout(f"{where}: no answer within the timeout")
-    if isinstance(exc, RuntimeError) and ("stopped" in str(exc) or "supervision" in str(exc).lower()):
-        return ReplicaFailed(f"{where}: the replica is gone: {describe(exc)}")
-    return exc
-
-
-class QueuedItem:
-    """One item of a batched endpoint, already in a replica's batcher, awaited later.
-
-    Like a Monarch ``Future`` (the message leaves when the call is made, not when it is
-    awaited), the item joins a batch when it is queued; ``result`` waits for its own answer. It
-    remembers the replica's generation then, so that a retry can avoid that incarnation.
-    """
-
-    __slots__ = ("replica", "generation", "endpoint", "future")
-
-    def __init__(self, replica: Replica, endpoint: str, future: asyncio.Future) -> None:
-        self.replica = replica
-        self.generation = replica.generation
-        self.endpoint = endpoint
-        self.future = future
-
-    @property
-    def origin(self) -> tuple[int, int]:
-        """(replica id, generation) of the incarnation that holds the item."""
-        return self.replica.replica_id, self.generation
-
-    async def result(self, timeout: float | None) -> Any:
-        """The item's own result, up to ``timeout`` seconds (None: no timer)."""
-        if timeout is None:
-            return await self.future
-        try:
-            return await await_with_timeout(self.future, timeout)
-        except asyncio.TimeoutError as exc:
-            name = f"{self.replica.spec.actor_cls.__name__}.{self.endpoint}"
-            raise RequestTimeout(f"{name}: no result within {timeout}s") from exc
-
-
 class Replica:
     """A replica's lifecycle (start, serve, fail, stop) and its request paths."""
 
@@ -163,7 +76,7 @@ class Replica:
         self.actor_mesh: Any = None
         self.batchers: dict[str, Batcher] = {}
         self.models: ReplicaModels | None = None  # the replica's models, if it multiplexes
-        self.counters: dict[str, _EndpointCounters] = {}
+        self.counters: dict[str, EndpointCounters] = {}
         self.started_at: float | None = None
         self.failure: str | None = None
         self.restarts = 0
@@ -178,11 +91,6 @@ class Replica:
     @property
     def mesh_name(self) -> str:
         return f"{self.spec.service_name}-r{self.replica_id}-g{self.generation}"
-
-    @property
-    def host_index(self) -> int | None:
-        """Index of the replica's first host in the service's HostPool; None on this host."""
-        return self.host_indices[0] if self.host_indices else None
 
     @property
     def in_flight(self) -> int:
@@ -233,23 +141,25 @@ class Replica:
             self.failure = describe(exc)
             await self._stop_mesh()
             raise translate_error(exc, f"{self.spec.actor_cls.__name__} replica {self.replica_id} setup") from exc
-        cls_name = self.spec.actor_cls.__name__
-        batched = [ep for ep in self.spec.endpoints.values() if ep.batching is not None]
-        models = None
-        if any(ep.multiplexed for ep in batched):
-            models = ReplicaModels(self.spec.multiplexing, self._load_model, name=f"{cls_name}@r{self.replica_id}")
-        self.models = models
-        self.batchers = {}
-        for ep in batched:
-            label = f"{cls_name}.{ep.name}@r{self.replica_id}"
-            execute = self._batch_executor(ep)
-            if models is not None and ep.multiplexed:
-                self.batchers[ep.name] = models.batcher(ep.batching, execute, name=label)
-            else:
-                self.batchers[ep.name] = Batcher(ep.batching, execute, name=label, send_full=ep.send_full)
+        self._make_batchers()
         self.started_at = self.last_progress = time.monotonic()
         self.state = ReplicaState.HEALTHY if take_traffic else ReplicaState.RECOVERING
         logger.debug("replica %s ready in %.2fs", self.mesh_name, self.started_at - t0)
+
+    def _make_batchers(self) -> None:
+        """A new generation's batchers, one per batched endpoint; multiplexed ones share the models."""
+        cls_name = self.spec.actor_cls.__name__
+        batched = [ep for ep in self.spec.endpoints.values() if ep.batching is not None]
+        self.models = None
+        if any(ep.multiplexed for ep in batched):
+            self.models = ReplicaModels(self.spec.multiplexing, self._load_model, name=f"{cls_name}@r{self.replica_id}")
+        self.batchers = {}
+        for ep in batched:
+            label = f"{cls_name}.{ep.name}@r{self.replica_id}"
+            if self.models is not None and ep.multiplexed:
+                self.batchers[ep.name] = self.models.batcher(ep.batching, BatchSender(self, ep), name=label)
+            else:
+                self.batchers[ep.name] = Batcher(ep.batching, BatchSender(self, ep), name=label, send_full=ep.send_full)
 
     def mark_failed(self, reason: str) -> None:
         """The process died: stop taking traffic; queued batch items fail with ``ReplicaFailed``."""
@@ -307,6 +217,13 @@ class Replica:
             logger.debug("stopping %s: %r", self.mesh_name, exc)
 
     # ----------------------------------------------------------- requests
+    def send(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], batch_key: Hashable = None) -> Call:
+        """One request to this replica: a batched endpoint's item joins its batch queue
+        (``batch_key``) now; a plain endpoint's message leaves when the result is awaited."""
+        if self.spec.endpoints[endpoint].batched:
+            return self.enqueue(endpoint, args[0], batch_key)
+        return PlainCall(self, endpoint, args, kwargs)
+
     async def call(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
         """One plain-endpoint request: one Monarch message."""
         counters = self._counters(endpoint)
@@ -314,7 +231,7 @@ class Replica:
         counters.in_flight += 1
         self._in_flight += 1
         try:
-            return await self._send(endpoint, args, kwargs, timeout)
+            return await self.await_reply(endpoint, self.dispatch(endpoint, args, kwargs), timeout)
         except BaseException:
             counters.errors += 1
             raise
@@ -322,7 +239,7 @@ class Replica:
             counters.in_flight -= 1
             self._in_flight -= 1
 
-    def enqueue(self, endpoint: str, item: Any, key: Hashable) -> QueuedItem:
+    def enqueue(self, endpoint: str, item: Any, batch_key: Hashable) -> QueuedItem:
         """One batched-endpoint request: queued here, sent as part of a batch.
 
         No task per item, so a burst of singletons stays cheap. Never raises: an item the
@@ -330,7 +247,7 @@ class Replica:
         ``result`` raises that error, as if the batch had failed it.
         """
         try:
-            future = self.batchers[endpoint].enqueue(item, key)
+            future = self.batchers[endpoint].enqueue(item, batch_key)
         except Exception as exc:  # noqa: BLE001 - the caller sees it when it awaits the result
             future = asyncio.get_running_loop().create_future()
             future.set_exception(exc)
@@ -345,75 +262,11 @@ class Replica:
         future.add_done_callback(done)
         return QueuedItem(self, endpoint, future)
 
-    async def submit(self, endpoint: str, item: Any, key: Hashable, timeout: float | None) -> Any:
-        """``enqueue`` and wait for the result, up to ``timeout`` seconds (None: no timer)."""
-        return await self.enqueue(endpoint, item, key).result(timeout)
-
-    async def broadcast_call(
-        self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None
-    ) -> list[Any]:
-        """Call every rank of this replica and return all their results (rank order)."""
-        where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
-        try:
-            values = await await_with_timeout(getattr(self.actor_mesh, endpoint).call(*args, **kwargs), timeout)
-        except BaseException as exc:
-            raise self._failed_call(exc, where) from exc
-        return list(values.values())
-
     async def _load_model(self, model_id: Hashable, evict: list) -> None:
-        await self._send(LOAD_ENDPOINT, (model_id, evict), {}, self.spec.options.call_timeout_s)
+        reply = self.dispatch(LOAD_ENDPOINT, (model_id, evict), {})
+        await self.await_reply(LOAD_ENDPOINT, reply, self.spec.options.call_timeout_s)
 
-    def _batch_executor(self, spec: EndpointSpec) -> Callable[[list[Any], Hashable], Awaitable[Sequence[Any]]]:
-        """The Batcher's executor for one batched endpoint: one message per batch."""
-        endpoint = spec.name
-        enbatch, debatch = spec.batching.resolve_assembly(self.spec.actor_cls)  # type: ignore[union-attr]
-        timeout = self.spec.options.call_timeout_s
-        multiplexed = spec.multiplexed  # the key is the model id: sent first
-
-        def execute(items: list[Any], key: Hashable) -> Awaitable[Sequence[Any]]:
-            """Sends the batch's message now; the returned awaitable gives its results."""
-            payload = enbatch(items) if enbatch is not None else items
-            try:
-                reply = self._dispatch(endpoint, (key, payload) if multiplexed else (payload,), {})
-            except UnsendableArgument:
-                if enbatch is not None or len(items) == 1:
-                    raise
-                return execute_without_unsendable(items, key)  # raises if none is to blame
-            return finish(reply, len(items))
-
-        async def finish(reply: Any, n: int) -> Sequence[Any]:
-            result = await self._await_reply(endpoint, reply, timeout)
-            return debatch(result, n) if debatch is not None else result
-
-        async def execute_without_unsendable(items: list[Any], key: Hashable) -> list[Any]:
-            """One caller's unpicklable item must not fail its batch-mates: fail just it."""
-            results: list[Any] = [None] * len(items)
-            good: list[int] = []
-            for i, item in enumerate(items):
-                try:
-                    cloudpickle.dumps(item)
-                    good.append(i)
-                except Exception as exc:
-                    results[i] = UnsendableArgument(
-                        f"{self.spec.actor_cls.__name__}.{endpoint}: this request cannot be sent to the replica "
-                        f"(it must be picklable): {type(item).__name__}: {exc}"
-                    )
-            if len(good) == len(items):
-                raise UnsendableArgument(
-                    f"{self.spec.actor_cls.__name__}.{endpoint}: the batch cannot be sent to the replica"
-                )
-            if good:
-                sent = await execute([items[i] for i in good], key)
-                for i, value in zip(good, sent):
-                    results[i] = value
-            return results
-
-        return execute
-
-    async def _send(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
-        return await self._await_reply(endpoint, self._dispatch(endpoint, args, kwargs), timeout)
-
-    def _dispatch(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    def dispatch(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """Send one message now (Monarch sends on call); return the future of its reply."""
         where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
         if self.actor_mesh is None or self.state not in (ReplicaState.HEALTHY, ReplicaState.RECOVERING):
@@ -425,8 +278,12 @@ class Replica:
         except BaseException as exc:
             raise self._failed_call(exc, where) from exc
 
-    async def _await_reply(self, endpoint: str, reply: Any, timeout: float | None) -> Any:
-        """Wait for a reply, turning Monarch's failures into forge's (see ``translate_error``)."""
+    async def await_reply(self, endpoint: str, reply: Any, timeout: float | None) -> Any:
+        """Wait for a reply, turning Monarch's failures into forge's (see ``translate_error``).
+
+        The waiting task is registered while it waits, so that ``mark_failed`` can stop it at
+        once (``_ABORT``) instead of leaving it to a timeout for an answer that will never come.
+        """
         where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
         task = asyncio.current_task()
         self._calls.add(task)  # type: ignore[arg-type]
@@ -470,65 +327,23 @@ class Replica:
         return error
 
     # ----------------------------------------------------------- metrics
-    def _counters(self, endpoint: str) -> _EndpointCounters:
+    def _counters(self, endpoint: str) -> EndpointCounters:
         counters = self.counters.get(endpoint)
         if counters is None:
-            counters = self.counters[endpoint] = _EndpointCounters()
+            counters = self.counters[endpoint] = EndpointCounters()
         return counters
 
     def metrics(self) -> dict[str, Any]:
         """State, and per endpoint its sums: requests, batches, items, queue wait, errors (the
         fields of ``BatchStats``; a plain endpoint's message is a batch of one). Means are left
         to the reader, who may add several replicas up first (``Service.metrics``)."""
-        endpoints: dict[str, dict[str, Any]] = {}
-        for name in set(self.counters) | set(self.batchers):
-            c = self._counters(name)
-            batcher = self.batchers.get(name)
-            if batcher is not None:
-                stats = dataclasses.asdict(batcher.stats)
-                stats.update(queued=batcher.queued, open_keys=len(batcher.keys))
-            else:
-                one_per_message = BatchStats(
-                    requests=c.requests,
-                    batches=c.messages,
-                    items_batched=c.messages,
-                    max_batch_size=min(c.messages, 1),
-                    errors=c.errors,
-                )
-                stats = dataclasses.asdict(one_per_message)
-            endpoints[name] = {**stats, "in_flight": c.in_flight}
+        names = set(self.counters) | set(self.batchers)
         result = {
             "state": self.state.value,
             "generation": self.generation,
             "in_flight": self._in_flight,
-            "endpoints": endpoints,
+            "endpoints": {name: endpoint_sums(self._counters(name), self.batchers.get(name)) for name in names},
         }
         if self.models is not None:
             result["models"] = self.models.metrics()
         return result
-
-
-_SUMMED = ("requests", "batches", "items_batched", "queue_wait_s_total", "in_flight", "errors")
-
-
-def aggregate_endpoints(replica_endpoints: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Per endpoint, the replicas' sums (``Replica.metrics()["endpoints"]``) added up, with the
-    means computed from the totals (never a mean of means)."""
-    totals: dict[str, dict[str, Any]] = {}
-    for endpoints in replica_endpoints:
-        for name, sums in endpoints.items():
-            total = totals.setdefault(name, dict.fromkeys(_SUMMED, 0) | {"max_batch_size": 0})
-            for key in _SUMMED:
-                total[key] += sums[key]
-            total["max_batch_size"] = max(total["max_batch_size"], sums["max_batch_size"])
-    return {name: endpoint_view(total) for name, total in totals.items()}
-
-
-def endpoint_view(sums: dict[str, Any]) -> dict[str, Any]:
-    """An endpoint's metrics as reported: its sums, with mean batch size and mean queue wait
-    in place of the item and wait totals."""
-    items = sums["items_batched"]
-    view = {k: v for k, v in sums.items() if k not in ("items_batched", "queue_wait_s_total")}
-    view["mean_batch_size"] = items / sums["batches"] if sums["batches"] else 0.0
-    view["mean_queue_wait_s"] = sums["queue_wait_s_total"] / items if items else 0.0
-    return view

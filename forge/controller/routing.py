@@ -1,8 +1,13 @@
 """Routers: which healthy replica takes a request.
 
 A router is a class with one method, ``choose(request, replicas) -> replica``. The service
-passes only replicas that can take traffic, never an empty list. Routers are per endpoint:
-a service has a default and may override it per endpoint; users plug in their own class.
+passes only replicas that can take traffic, in replica-id order, never an empty list. Routers
+are per endpoint: a service has a default and may override it per endpoint; users plug in their
+own class.
+
+A request has two keys, each with one meaning (``RouteRequest``): ``key`` chooses the replica,
+``batch_key`` the batch queue on it. A router reads ``key``; only batch-aware preference reads
+``batch_key``. A multiplexed endpoint's model id is both.
 
 Built in:
 
@@ -11,17 +16,23 @@ Built in:
   loaded wins): near-optimal balance without scanning every replica.
 - ``sticky``: the key is a session id; a session stays on its replica while it is healthy.
 - ``key_affinity``: rendezvous hashing of the similarity key, so equal keys meet on one replica
-  (where they batch together and share caches) and only ~1/n of keys move when a replica joins
-  or leaves. A key whose batch is already forming on some replica goes there. When the chosen
-  replica's load exceeds ``load_factor`` times the mean (plus ``slack``), the request spills to
-  the least-loaded replica, which bounds the imbalance a hot key can cause.
+  (where they share caches and batches) and only ~1/n of keys move when a replica joins or
+  leaves. A request that names a batch queue goes where a batch of that queue is already
+  forming. When the chosen replica's load exceeds ``load_factor`` times the mean (plus
+  ``slack``), the request spills to the least-loaded replica, which bounds the imbalance a hot
+  key can cause.
 - ``model_aware``: the key is a model id; replicas that hold the model first, else the one with
   the fewest models; the default of multiplexed endpoints (``forge.controller.multiplex``).
+
+Stickiness has one mechanism, ``Pins``: a bounded table of names (sessions, groups) pinned to
+replicas, with an optional load bound past which a pinned request spills. ``Sticky``,
+``svc.session()`` and the session routers of ``forge.envs`` all use it.
 """
 
 from __future__ import annotations
 
 import abc
+import bisect
 import collections
 import hashlib
 import itertools
@@ -49,6 +60,11 @@ class RouteRequest:
 
     endpoint: str
     key: Hashable = None
+    """What the request is routed by (a similarity key, a session, a model id); None: no preference."""
+    batch_key: Hashable = None
+    """The batch queue the caller named on the replica (``route(..., batch_key=)``, or a
+    multiplexed endpoint's model id). None: the endpoint's ``Batching.key`` or its one default
+    queue decides, so no router can tell in advance where its batch forms."""
 
 
 class Router(abc.ABC):
@@ -84,28 +100,89 @@ class LeastLoaded(Router):
         return least_loaded_of_two(replicas, self._rng)
 
 
+def replica_by_id(replicas: Sequence[ReplicaView], replica_id: int) -> ReplicaView | None:
+    """The replica ``replica_id`` among ``replicas``, or None if it is not one of them.
+
+    The service passes replicas in replica-id order, a subsequence of 0..n-1: while every replica
+    is a candidate, replica i is at index i (O(1)); otherwise bisection finds it (O(log n)).
+    """
+    if replica_id < len(replicas) and replicas[replica_id].replica_id == replica_id:
+        return replicas[replica_id]
+    i = bisect.bisect_left(replicas, replica_id, key=lambda r: r.replica_id)
+    if i < len(replicas) and replicas[i].replica_id == replica_id:
+        return replicas[i]
+    return None
+
+
+class Pins:
+    """Sticky placement: names (sessions, groups) pinned to the replica that took them.
+
+    ``get`` returns a name's replica while it is among the candidates and, with a ``bound``,
+    holds fewer than ``bound`` requests; otherwise None, and the caller chooses anew and
+    ``pin``s the choice (past the bound that is a *spill*, counted in ``spills``). The table
+    keeps the ``max_names`` most recently used names, in an ordered dict, so each call costs
+    O(1) whatever the number of live sessions (plus ``replica_by_id``).
+    """
+
+    def __init__(self, max_names: int = 100_000) -> None:
+        if isinstance(max_names, bool) or not isinstance(max_names, int) or max_names < 1:
+            raise ValueError(f"Pins max_names must be an integer >= 1, got {max_names!r}")
+        self.max_names = max_names
+        self.spills = 0
+        self._pins: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
+
+    def get(self, name: Hashable, replicas: Sequence[ReplicaView], bound: int | None = None) -> ReplicaView | None:
+        """``name``'s replica if it may take one more request now; None if ``name`` is not
+        pinned, its replica is not among ``replicas``, or it is at ``bound``."""
+        replica_id = self._pins.get(name)
+        if replica_id is None:
+            return None
+        replica = replica_by_id(replicas, replica_id)
+        if replica is None:
+            return None
+        if bound is not None and replica.in_flight >= bound:
+            self.spills += 1
+            return None
+        self._pins.move_to_end(name)
+        return replica
+
+    def pin(self, name: Hashable, replica: ReplicaView) -> None:
+        """Pin ``name`` to ``replica``, forgetting the least recently used name past ``max_names``."""
+        self._pins[name] = replica.replica_id
+        self._pins.move_to_end(name)
+        if len(self._pins) > self.max_names:
+            self._pins.popitem(last=False)
+
+    def forget(self, name: Hashable) -> None:
+        self._pins.pop(name, None)
+
+    def names(self) -> list[Hashable]:
+        """The pinned names, least recently used first."""
+        return list(self._pins)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._pins
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+
 class Sticky(Router):
     """The key is a session id: the first request of a session picks the least-loaded replica,
-    later ones follow it while it is healthy. Requests without a key are balanced."""
+    later ones follow it while it can take traffic (``Pins``, no load bound). Requests without
+    a key are balanced."""
 
     def __init__(self, seed: int | None = None, max_sessions: int = 100_000) -> None:
         self._rng = random.Random(seed)
-        # Ordered so that forgetting the oldest session is O(1): on a plain dict, popping the
-        # first key over and over makes each next(iter()) skip the deleted slots before it.
-        self._pins: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
-        self._max_sessions = max_sessions
+        self.pins = Pins(max_sessions)
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> ReplicaView:
         if request.key is None:
             return least_loaded_of_two(replicas, self._rng)
-        pinned = self._pins.get(request.key)
-        for replica in replicas:
-            if replica.replica_id == pinned:
-                return replica
-        chosen = min(replicas, key=lambda r: r.in_flight)
-        if len(self._pins) >= self._max_sessions:
-            self._pins.popitem(last=False)  # forget the oldest session
-        self._pins[request.key] = chosen.replica_id
+        chosen = self.pins.get(request.key, replicas)
+        if chosen is None:
+            chosen = min(replicas, key=lambda r: r.in_flight)
+            self.pins.pin(request.key, chosen)
         return chosen
 
 
@@ -122,7 +199,8 @@ class KeyAffinity(Router):
         load_factor: a replica may hold up to ``load_factor`` x the mean in-flight load
             (plus ``slack`` requests) before keyed requests spill off it.
         slack: absolute headroom, so that tiny loads (0 vs 1) never count as imbalance.
-        batch_aware: prefer a replica where a batch for the key is already forming.
+        batch_aware: a request that names its batch queue (``RouteRequest.batch_key``) prefers a
+            replica where a batch of that queue is already forming.
     """
 
     def __init__(self, load_factor: float = 1.5, slack: int = 2, batch_aware: bool = True, seed: int | None = None):
@@ -147,8 +225,9 @@ class KeyAffinity(Router):
         if request.key is None:
             return least_loaded_of_two(replicas, self._rng)
         bound = self.bound(replicas)
-        if self.batch_aware:
-            forming = [r for r in replicas if r.has_forming(request.endpoint, request.key) and r.in_flight < bound]
+        if self.batch_aware and request.batch_key is not None:
+            batch_key = request.batch_key
+            forming = [r for r in replicas if r.has_forming(request.endpoint, batch_key) and r.in_flight < bound]
             if forming:
                 return min(forming, key=lambda r: r.in_flight)
         owner = self.owner(request.key, replicas)

@@ -1,20 +1,25 @@
-"""Services: replicas of one ForgeActor behind routers, and the handle callers use.
+"""The service engine: replicas of one ForgeActor behind routers, and the path of each request.
 
-``Service`` owns the replicas and decides where each request goes; ``ServiceInterface`` is the
-handle a caller holds::
+``Service`` owns the replicas and decides where each request goes; callers hold its handle,
+``ServiceInterface`` (``forge.controller.handle``)::
 
     svc = await Scorer.options(num_replicas=3, router="key_affinity").as_service(scale=2)
-    y = await svc.score.route(5, key="prompt-17")    # one item in, one result out
+    y = await svc.score.route(5, key="prompt-17")    # one item in, one result out; key routes
+    y = await svc.score.route(5, batch_key="short")  # batch_key: the batch queue on the replica
     ys = await svc.score.route_many([1, 2, 3])       # results in order
     rs = await svc.ping.fanout()                     # one result per healthy replica
-    p = await svc.predict.route(x, model_id="m7")   # a multiplexed endpoint: name the model
+    p = await svc.predict.route(x, model_id="m7")   # a multiplexed endpoint: the model routes and batches
     async with svc.session():                        # calls inside stick to one replica
         ...
     svc.metrics(); await svc.shutdown()
 
-A request that a replica never answered because its process died is resent to another
-healthy replica (up to ``max_retries`` times, unless the endpoint is declared ``retry=False``);
-an endpoint's own exception is never retried: it reaches the caller as ``EndpointError``.
+A request's path, top to bottom (``submit``, then ``_serve``): the call is checked against the
+endpoint and becomes one ``_Request``; it is admitted (bounded wait for a replica with room),
+routed (its session's replica, else the endpoint's router) and sent (``Replica.send``). A
+request that a replica never answered because its process died (``ReplicaFailed``) is sent
+again to another healthy replica, up to ``max_retries`` times, unless the endpoint is declared
+``retry=False``; every other error reaches the caller as raised: the endpoint's own exception
+as ``EndpointError``, never retried.
 """
 
 from __future__ import annotations
@@ -28,23 +33,63 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from monarch.actor import MeshFailure
 
 from forge.controller.endpoint import EndpointSpec, endpoint_specs
 from forge.controller.errors import NoHealthyReplica, Overloaded, ReplicaFailed, ServiceStopped, describe
-from forge.controller.model_cache import aggregate_metrics, models_view
+from forge.controller.messages import Call
+from forge.controller.metrics import service_metrics
 from forge.controller.multiplex import check_multiplexing
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import add_fault_listener, remove_fault_listener, replica_gpus
-from forge.controller.replica import QueuedItem, Replica, ReplicaSpec, ReplicaState, aggregate_endpoints, endpoint_view
-from forge.controller.routing import Router, RouteRequest, make_router
+from forge.controller.replica import Replica, ReplicaSpec, ReplicaState
+from forge.controller.routing import Pins, Router, RouteRequest, make_router
 
 logger = logging.getLogger("forge.service")
 
 _current_session: contextvars.ContextVar[str | None] = contextvars.ContextVar("forge_session", default=None)
 _service_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class _Request:
+    """One caller's request, from ``route`` to its answer, resends included."""
+
+    spec: EndpointSpec
+    args: Sequence[Any]
+    kwargs: dict[str, Any]
+    route: RouteRequest
+    """Its keys: ``key`` routes, ``batch_key`` picks the batch queue."""
+    timeout: float | None
+    """The caller's own limit on each try; None: no timer of its own."""
+    retries: int
+    """Times it may still be sent again after its replica died."""
+    tried: set[tuple[int, int]] = field(default_factory=set)
+    """The replica incarnations that died holding it: a resend avoids them."""
+    sent: Call | None = None
+    """The try in flight on a replica, until ``_serve`` awaits it."""
+
+
+async def _raise(error: BaseException) -> Any:
+    raise error
+
+
+def _check_arguments(name: str, spec: EndpointSpec, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """A batched endpoint takes one item; a plain one its method's arguments."""
+    if spec.batched:
+        if len(args) != 1 or kwargs:
+            raise TypeError(
+                f"{name} is batched: route() takes exactly one item "
+                f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments)"
+            )
+    elif spec.signature is not None:
+        try:
+            spec.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{name}{spec.signature}: {exc}") from None
 
 
 class Service:
@@ -71,7 +116,7 @@ class Service:
             Replica(i, dataclasses.replace(spec, gpus=gpus[i]), on_failure=self._on_replica_failed)
             for i in range(options.num_replicas)
         ]
-        self._session_pins: dict[str, int] = {}
+        self._sessions = Pins()  # svc.session(): each open session's replica
         self._stopped = False
         self._fault_listener = self._on_mesh_failure
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -230,21 +275,77 @@ class Service:
             if r.accepting and (r.replica_id, r.generation) not in exclude and (limit is None or r.in_flight < limit)
         ]
 
-    def choose(self, endpoint: str, key: Hashable, candidates: list[Replica]) -> Replica:
+    def choose(self, request: RouteRequest, candidates: list[Replica]) -> Replica:
         """The replica for one request: its session's replica, else the endpoint's router's pick."""
         session = _current_session.get()
-        if session is not None:
-            pinned = self._session_pins.get(session)
-            for replica in candidates:
-                if replica.replica_id == pinned:
-                    return replica
-        chosen = self.router(endpoint).choose(RouteRequest(endpoint, key), candidates)
-        if session is not None:
-            self._session_pins[session] = chosen.replica_id
+        if session is None:
+            return self.router(request.endpoint).choose(request, candidates)  # type: ignore[return-value]
+        chosen = self._sessions.get(session, candidates)
+        if chosen is None:
+            chosen = self.router(request.endpoint).choose(request, candidates)
+            self._sessions.pin(session, chosen)
         return chosen  # type: ignore[return-value]
 
-    async def _admit(self, endpoint: str, exclude: set[tuple[int, int]]) -> list[Replica]:
-        """Replicas that can take one more request now, waiting (bounded) if there are none."""
+    # ----------------------------------------------------------- requests
+    def submit(
+        self,
+        endpoint: str,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        key: Hashable,
+        batch_key: Hashable,
+        timeout: float | None,
+    ) -> Coroutine[Any, Any, Any]:
+        """Start one request and return the coroutine that waits for its answer.
+
+        A batched item is queued *now* when a replica can take it at once. Why now: a caller
+        that fires a burst (``gather`` of 2,000 ``route`` calls) makes every call before asyncio
+        runs any of them. Queued at call time, the items fill batches and the first ones are on
+        their way to the actor while the caller is still making calls; queued from each
+        caller's task, nothing would leave until all 2,000 tasks had been created. Otherwise
+        (a plain endpoint, admission limits, recovery, shutdown) the request is admitted and
+        sent when the coroutine runs. A call that does not fit the endpoint, or a router that
+        fails, raises where the caller awaits, as every other error does.
+        """
+        try:
+            request = self._request(self.endpoints[endpoint], args, kwargs, key, batch_key, timeout)
+            # Callers already waiting for admission go first: then this one queues behind them.
+            if request.spec.batched and not self._stopped and not self._waiting:
+                candidates = self._candidates(request.tried)
+                if candidates:
+                    request.sent = self._send(request, candidates)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, who meets it on await
+            return _raise(exc)
+        return self._serve(request)
+
+    async def _serve(self, request: _Request) -> Any:
+        """The request's answer: admitted, routed and sent unless already queued, then awaited;
+        sent again to another replica when the one that held it died (``ReplicaFailed``)."""
+        while True:
+            call, request.sent = request.sent, None
+            if call is None:
+                call = self._send(request, await self._admit(request))
+            try:
+                return await call.result(request.timeout)
+            except ReplicaFailed as exc:
+                request.tried.add(call.origin)
+                if request.retries <= 0 or self._stopped:
+                    raise
+                request.retries -= 1
+                self.retried += 1
+                logger.info("retrying %s.%s on another replica: %s", self.actor_cls.__name__, request.spec.name, exc)
+            finally:
+                if self._waiting:  # a replica has room again: let a caller waiting for admission in
+                    await self._notify_capacity()
+
+    def _send(self, request: _Request, candidates: list[Replica]) -> Call:
+        """Route the request among ``candidates`` and send it (a batched item joins its queue)."""
+        replica = self.choose(request.route, candidates)
+        return replica.send(request.spec.name, request.args, request.kwargs, request.route.batch_key)
+
+    async def _admit(self, request: _Request) -> list[Replica]:
+        """Replicas that can take the request now, waiting (bounded) if there are none."""
+        endpoint, exclude = request.spec.name, request.tried
         if self._stopped:
             raise ServiceStopped(f"service {self.name} was shut down")
         candidates = self._candidates(exclude)
@@ -266,151 +367,77 @@ class Service:
                     candidates = self._candidates(exclude)
                     if candidates:
                         return candidates
-                    if not any(
-                        r.state in (ReplicaState.STARTING, ReplicaState.RECOVERING, ReplicaState.HEALTHY)
-                        or r.replica_id in self._recoveries
-                        for r in self.replicas
-                    ):
+                    if not self._may_recover():
                         states = {r.replica_id: r.state.value for r in self.replicas}
                         raise NoHealthyReplica(
                             f"service {self.name} has no replica that can take {endpoint!r}: {states}"
                         )
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        if self.healthy_replicas():
-                            raise Overloaded(
-                                f"service {self.name}: every replica holds max_in_flight_per_replica="
-                                f"{self.options.max_in_flight_per_replica} requests; "
-                                f"waited {self.options.queue_timeout_s}s"
-                            )
-                        raise NoHealthyReplica(
-                            f"service {self.name}: no replica recovered within {self.options.queue_timeout_s}s"
-                        )
-                    try:
+                        raise self._admission_timeout()
+                    with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._capacity_changed.wait(), remaining)
-                    except asyncio.TimeoutError:
-                        pass
         finally:
             self._waiting -= 1
 
-    async def request(
+    def _may_recover(self) -> bool:
+        """Whether some replica takes traffic now or may again (starting, resyncing, restarting)."""
+        live = (ReplicaState.STARTING, ReplicaState.RECOVERING, ReplicaState.HEALTHY)
+        return any(r.state in live or r.replica_id in self._recoveries for r in self.replicas)
+
+    def _admission_timeout(self) -> Exception:
+        """The error of a caller that waited ``queue_timeout_s`` for admission in vain."""
+        if self.healthy_replicas():
+            return Overloaded(
+                f"service {self.name}: every replica holds max_in_flight_per_replica="
+                f"{self.options.max_in_flight_per_replica} requests; waited {self.options.queue_timeout_s}s"
+            )
+        return NoHealthyReplica(f"service {self.name}: no replica recovered within {self.options.queue_timeout_s}s")
+
+    def _request(
         self,
-        endpoint: str,
+        spec: EndpointSpec,
         args: Sequence[Any],
         kwargs: dict[str, Any],
         key: Hashable,
+        batch_key: Hashable,
         timeout: float | None,
-        queued: QueuedItem | None = None,
-    ) -> Any:
-        """Route one request, resending it elsewhere if its replica dies before answering.
-
-        ``queued``: the first attempt of a batched item, already queued by ``queue_batched``
-        (which checked the call).
-        """
-        spec = self.endpoints[endpoint]
-        if queued is None:
-            args, kwargs, key = self._checked_call(spec, args, kwargs, key)
-        if timeout is None and not spec.batched:
-            timeout = self.options.call_timeout_s
+    ) -> _Request:
+        """The call as one ``_Request``; a call that does not fit the endpoint fails here, naming it."""
+        name = f"{self.actor_cls.__name__}.{spec.name}"
+        if spec.multiplexed:  # the model that must serve the item routes it and is its batch queue
+            kwargs = dict(kwargs)
+            model_id = kwargs.pop("model_id", None)
+            if model_id is None or key is not None or batch_key is not None:
+                raise TypeError(
+                    f"{name} is multiplexed: name the model that serves the item with model_id=... (it routes the "
+                    f'item and picks its batch queue; no key= or batch_key=), e.g. route(x, model_id="m7")'
+                )
+            key = batch_key = model_id
+        elif batch_key is not None and not spec.batched:
+            raise TypeError(
+                f"{name} is not batched: batch_key= picks a batch queue, which only batched endpoints have "
+                f"(got batch_key={batch_key!r})"
+            )
+        _check_arguments(name, spec, args, kwargs)
         # A batched request without its own timeout arms no timer: each batch's message has
         # call_timeout_s, so every queued item is answered or failed in bounded time anyway,
         # and 2,000 queued singletons don't pay for 2,000 timers.
+        if timeout is None and not spec.batched:
+            timeout = self.options.call_timeout_s
         retries = self.options.max_retries if spec.retry else 0
-        tried: set[tuple[int, int]] = set()
-        while True:
-            attempt, queued = queued, None
-            if attempt is None:
-                replica = self.choose(endpoint, key, await self._admit(endpoint, tried))
-                origin = (replica.replica_id, replica.generation)
-                if spec.batched:  # never raises: an item the batcher refuses fails in its result
-                    attempt = replica.enqueue(endpoint, args[0], key)
-            else:
-                origin = attempt.origin
-            try:
-                if attempt is not None:
-                    return await attempt.result(timeout)
-                return await replica.call(endpoint, args, kwargs, timeout)
-            except ReplicaFailed as exc:
-                tried.add(origin)
-                if retries <= 0 or self._stopped:
-                    raise
-                retries -= 1
-                self.retried += 1
-                logger.info("retrying %s.%s on another replica: %s", self.actor_cls.__name__, endpoint, exc)
-            finally:
-                if self._waiting:
-                    await self._notify_capacity()
-
-    def queue_batched(
-        self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable, timeout: float | None
-    ) -> Coroutine[Any, Any, Any]:
-        """Queue one item of a batched endpoint *now*, and return the coroutine that waits for it.
-
-        Why now: a caller that fires a burst (``gather`` of 2,000 ``route`` calls) makes every
-        call before asyncio runs any of them. Queued at call time, the items fill batches and the
-        first ones are on their way to the actor while the caller is still making calls;
-        queued from each caller's task, nothing would leave until all 2,000 tasks had been
-        created and the actor would idle meanwhile. When no replica can take the item at once
-        (admission limits, recovery, shutdown), or the call does not fit the endpoint, the plain
-        path runs when the coroutine is awaited (and raises there, as any other error does).
-        """
-        # Callers already waiting for admission go first: then this one queues behind them.
-        candidates = [] if self._stopped or self._waiting else self._candidates(set())
-        if candidates:
-            try:
-                (item,), _, batch_key = self._checked_call(self.endpoints[endpoint], args, kwargs, key)
-                replica = self.choose(endpoint, batch_key, candidates)
-            except Exception:  # noqa: BLE001 - the plain path meets the same error when it is awaited
-                pass
-            else:
-                queued = replica.enqueue(endpoint, item, batch_key)
-                return self.request(endpoint, (item,), {}, batch_key, timeout, queued=queued)
-        return self.request(endpoint, args, kwargs, key, timeout)
-
-    def _checked_call(
-        self, spec: EndpointSpec, args: Sequence[Any], kwargs: dict[str, Any], key: Hashable
-    ) -> tuple[Sequence[Any], dict[str, Any], Hashable]:
-        """The call as a replica takes it; a call that does not fit the endpoint fails here,
-        naming the endpoint. A multiplexed endpoint's ``model_id=`` becomes the request's key."""
-        name = f"{self.actor_cls.__name__}.{spec.name}"
-        if spec.multiplexed:
-            kwargs = dict(kwargs)
-            model_id = kwargs.pop("model_id", None)
-            if model_id is None or key is not None:
-                raise TypeError(
-                    f"{name} is multiplexed: name the model that serves the item with model_id=... (and no key=), "
-                    f'e.g. route(x, model_id="m7")'
-                )
-            key = model_id
-        if spec.batched:
-            if len(args) != 1 or kwargs:
-                raise TypeError(
-                    f"{name} is batched: route() takes exactly one item "
-                    f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments)"
-                )
-        elif spec.signature is not None:
-            try:
-                spec.signature.bind(*args, **kwargs)
-            except TypeError as exc:
-                raise TypeError(f"{name}{spec.signature}: {exc}") from None
-        return args, kwargs, key
+        return _Request(spec, args, kwargs, RouteRequest(spec.name, key, batch_key), timeout, retries)
 
     async def fanout(
         self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None
     ) -> list[Any]:
         """The same request to every healthy replica; one result per replica, in replica order."""
-        spec = self.endpoints[endpoint]
-        if timeout is None and not spec.batched:
-            timeout = self.options.call_timeout_s
-        args, kwargs, key = self._checked_call(spec, args, kwargs, None)
+        request = self._request(self.endpoints[endpoint], args, kwargs, None, None, timeout)
         replicas = self.healthy_replicas()
         if not replicas:
             raise NoHealthyReplica(f"service {self.name} has no healthy replica for fanout of {endpoint!r}")
-        if spec.batched:
-            calls = [r.submit(endpoint, args[0], key, timeout) for r in replicas]
-        else:
-            calls = [r.call(endpoint, args, kwargs, timeout) for r in replicas]
-        return list(await asyncio.gather(*calls))
+        calls = [r.send(endpoint, request.args, request.kwargs, request.route.batch_key) for r in replicas]
+        return list(await asyncio.gather(*(c.result(request.timeout) for c in calls)))
 
     @contextlib.asynccontextmanager
     async def session(self, session_id: str | None = None) -> AsyncIterator[str]:
@@ -421,7 +448,7 @@ class Service:
             yield session_id
         finally:
             _current_session.reset(token)
-            self._session_pins.pop(session_id, None)
+            self._sessions.forget(session_id)
 
     # ----------------------------------------------------------- metrics
     def metrics(self) -> dict[str, Any]:
@@ -429,107 +456,5 @@ class Service:
         with multiplexed endpoints, ``models``: loads, evictions, hits, per-model batch sizes.
 
         Replicas report sums; they are added up here, and every mean is computed from sums."""
-        sums = {r.replica_id: r.metrics() for r in self.replicas}
-        replicas = {}
-        for replica_id, rm in sums.items():
-            replicas[replica_id] = {**rm, "endpoints": {ep: endpoint_view(st) for ep, st in rm["endpoints"].items()}}
-            if "models" in rm:
-                replicas[replica_id]["models"] = models_view(rm["models"])
-        result = {
-            "service": self.name,
-            "replicas": replicas,
-            "endpoints": aggregate_endpoints([rm["endpoints"] for rm in sums.values()]),
-            "retried": self.retried,
-            "restarts": sum(r.restarts for r in self.replicas),
-        }
-        if any(e.multiplexed for e in self.endpoints.values()):
-            result["models"] = aggregate_metrics([rm["models"] for rm in sums.values() if "models" in rm])
-        return result
-
-
-class EndpointHandle:
-    """``svc.<endpoint>``: the ways to call one endpoint of a service."""
-
-    def __init__(self, service: Service, name: str) -> None:
-        self._service = service
-        self._name = name
-        self._spec = service.endpoints[name]
-
-    def route(
-        self, *args: Any, key: Hashable = None, timeout: float | None = None, **kwargs: Any
-    ) -> Coroutine[Any, Any, Any]:
-        """One request to one replica chosen by the endpoint's router; await it for the result.
-
-        For a batched endpoint pass exactly one item; it is prebatched with others and you get
-        its own result back. The item is queued the moment ``route`` is called (as a message is
-        sent when you send it), so a burst of calls fills batches before any caller runs.
-        ``key`` is the similarity key used by ``key_affinity`` routing and by per-key batch
-        queues. A multiplexed endpoint takes ``model_id=`` instead: the model that must serve
-        the item.
-        """
-        if self._spec.batched:
-            return self._service.queue_batched(self._name, args, kwargs, key, timeout)
-        return self._service.request(self._name, args, kwargs, key, timeout)
-
-    async def route_many(
-        self,
-        items: Sequence[Any],
-        *,
-        keys: Sequence[Hashable] | None = None,
-        timeout: float | None = None,
-        model_id: Hashable = None,
-    ) -> list[Any]:
-        """Route each item as its own request, concurrently; results in the items' order.
-        ``model_id``: the model of every item, for a multiplexed endpoint."""
-        if keys is not None and len(keys) != len(items):
-            raise ValueError(f"route_many: {len(keys)} keys for {len(items)} items; give one key per item")
-        keys = keys if keys is not None else [None] * len(items)
-        extra = {"model_id": model_id} if model_id is not None else {}
-        return list(
-            await asyncio.gather(*(self.route(item, key=k, timeout=timeout, **extra) for item, k in zip(items, keys)))
-        )
-
-    async def fanout(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """The same request to every healthy replica; one result per replica."""
-        return await self._service.fanout(self._name, args, kwargs, timeout)
-
-    def __repr__(self) -> str:
-        kind = " (multiplexed)" if self._spec.multiplexed else " (batched)" if self._spec.batched else ""
-        return f"<endpoint {self._service.actor_cls.__name__}.{self._name}{kind}>"
-
-
-class ServiceInterface:
-    """The handle a caller holds: ``svc.<endpoint>.route(...)``, ``session()``, ``metrics()``, ``shutdown()``."""
-
-    def __init__(self, service: Service) -> None:
-        self._service = service
-        self._handles = {name: EndpointHandle(service, name) for name in service.endpoints}
-
-    def __getattr__(self, name: str) -> EndpointHandle:
-        handles = self.__dict__.get("_handles", {})
-        if name in handles:
-            return handles[name]
-        raise AttributeError(
-            f"{self._service.actor_cls.__name__} service has no endpoint {name!r}; endpoints: {sorted(handles)}"
-        )
-
-    def session(self, session_id: str | None = None) -> contextlib.AbstractAsyncContextManager[str]:
-        return self._service.session(session_id)
-
-    def metrics(self) -> dict[str, Any]:
-        return self._service.metrics()
-
-    def set_resync(self, resync: Callable[[Any], Awaitable[None]] | None) -> None:
-        """See ``Service.set_resync``: the step a restarted replica runs before taking traffic."""
-        self._service.set_resync(resync)
-
-    @property
-    def service(self) -> Service:
-        return self._service
-
-    async def shutdown(self) -> None:
-        await self._service.shutdown()
-
-    def __repr__(self) -> str:
-        s = self._service
-        return f"<service {s.name}: {len(s.healthy_replicas())}/{len(s.replicas)} healthy>"
+        multiplexed = any(e.multiplexed for e in self.endpoints.values())
+        return service_metrics(self.name, self.replicas, self.retried, multiplexed)

@@ -311,14 +311,14 @@ async def test_policy_service_in_async_mode_generates_groups_and_updates_weights
     tiny_model_dir: Path, tiny_model_dir_alt: Path
 ) -> None:
     """engine_mode="async" behind the service: a Group per caller, tagged with the loaded version."""
-    from forge.actors.policy import Policy, PolicyConfig, PromptAffinity, prompt_key
+    from forge.actors.policy import Policy, PolicyConfig, prompt_key
     from forge.types import Prompt
 
     config = PolicyConfig(
         model_path=str(tiny_model_dir), group_size=3, max_tokens=4, max_model_len=64, engine_mode="async"
     )
     policy = await Policy.options(
-        env={"OMP_NUM_THREADS": "1"}, endpoint_routers={"generate": PromptAffinity}
+        env={"OMP_NUM_THREADS": "1"}, endpoint_routers={"generate": "key_affinity"}
     ).as_service(config)
     try:
         prompts = [Prompt(prompt_id=str(i), text=f"{i}{i}=", answer="") for i in range(6)]

@@ -15,6 +15,7 @@ from forge.envs import (
     Action,
     EnvError,
     Environment,
+    EnvSessionRouter,
     SessionAffinity,
     SessionKey,
     StepResult,
@@ -143,15 +144,38 @@ def test_session_affinity_forgets_least_recently_used_sessions_beyond_max_sessio
     replicas = [_Replica(0), _Replica(1)]
     for name in "abcd":
         router.choose(RouteRequest("t", SessionKey(name, name)), replicas)
-    assert list(router._pins) == ["b", "c", "d"]
+    assert router.sessions.names() == ["b", "c", "d"]
     router.choose(RouteRequest("t", SessionKey("b", "b")), replicas)
     router.choose(RouteRequest("t", SessionKey("e", "e")), replicas)
-    assert list(router._pins) == ["d", "b", "e"]
+    assert router.sessions.names() == ["d", "b", "e"]
 
 
-def test_session_keys_batch_together_but_route_apart():
-    assert SessionKey("a", "g") == SessionKey("b", "h") and hash(SessionKey("a")) == hash(SessionKey("b"))
-    assert SessionKey("a").session != SessionKey("b").session
+def test_session_keys_are_equal_only_for_the_same_session_and_group():
+    """A SessionKey only routes (turns share one batch queue without it), so its equality is plain."""
+    assert SessionKey("a", "g") == SessionKey("a", "g") and hash(SessionKey("a", "g")) == hash(SessionKey("a", "g"))
+    assert SessionKey("a", "g") != SessionKey("b", "g") and SessionKey("a", "g") != SessionKey("a", "h")
+
+
+def test_a_plain_session_key_sticks_like_a_session_without_a_group():
+    router = SessionAffinity(slack=100)
+    replicas = [_Replica(i) for i in range(3)]
+    home = router.choose(RouteRequest("t", "s1"), replicas)
+    replicas[home.replica_id].in_flight = 5  # still under the bound: the session stays
+    assert all(router.choose(RouteRequest("t", "s1"), replicas) is home for _ in range(4))
+    assert router.choose(RouteRequest("t", SessionKey("s1")), replicas) is home  # the same session
+
+
+def test_env_session_router_keeps_a_session_on_its_replica_without_spilling():
+    """The episode lives on one env replica: however loaded it is, its session's steps go there;
+    a new session goes to its rendezvous owner, and a forgotten pin finds that owner again."""
+    router = EnvSessionRouter(max_sessions=2)
+    replicas = [_Replica(i) for i in range(4)]
+    homes = {s: router.choose(RouteRequest("step", SessionKey(s)), replicas) for s in ("a", "b", "c")}
+    assert len({r.replica_id for r in homes.values()}) > 1
+    homes["c"].in_flight = 1_000
+    assert router.choose(RouteRequest("step", "c"), replicas) is homes["c"]  # no spill, plain key or SessionKey
+    assert "a" not in router.pins.names()  # forgotten past max_sessions ...
+    assert router.choose(RouteRequest("step", "a"), replicas) is homes["a"]  # ... yet back on its owner
 
 
 def test_tool_calls_run_and_append_the_result_until_the_policy_answers():

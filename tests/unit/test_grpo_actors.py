@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge.actors.policy import PackedGroups, PolicyConfig, PromptAffinity, PromptKey, prompt_key
+from forge.actors.policy import PackedGroups, PolicyConfig, prompt_key
 from forge.actors.reference_model import PackedPairs, ReferenceModel, length_bucket
 from forge.actors.reward import RewardActor, resolve_reward
+from forge.controller import KeyAffinity
 from forge.controller.routing import RouteRequest
 from forge.types import Completion, Episode, EpisodeBatch, Prompt
 
@@ -23,7 +24,7 @@ class _Replica:
     in_flight: int = 0
 
     def has_forming(self, endpoint: str, key: object) -> bool:
-        return True  # every PromptKey "has a batch forming": affinity must ignore it
+        return True  # a batch is always forming in generate's one queue: affinity must ignore it
 
 
 def _prompt(text: str) -> Prompt:
@@ -31,28 +32,28 @@ def _prompt(text: str) -> Prompt:
 
 
 # ------------------------------------------------------------------ policy routing and packing
-def test_prompt_keys_batch_together_but_route_apart():
-    """Every PromptKey is one batch key; PromptAffinity still spreads prompts by their text."""
-    a, b = prompt_key(_prompt("123=")), prompt_key(_prompt("456="))
-    assert a == b and hash(a) == hash(b)
+def test_prompts_route_apart_by_their_text_while_sharing_one_batch_queue():
+    """The prompt key only routes: key_affinity spreads prompts by their text, and a batch
+    forming in generate's one queue (no batch_key) on every replica does not pull them together."""
+    assert prompt_key(_prompt("123=")) == "123=" != prompt_key(_prompt("456="))
     replicas = [_Replica(i) for i in range(4)]
-    router = PromptAffinity()
+    router = KeyAffinity()
     owners = {
         text: router.choose(RouteRequest("generate", prompt_key(_prompt(text))), replicas).replica_id
         for text in (f"{i:03d}=" for i in range(40))
     }
     assert len(set(owners.values())) == 4  # spread over every replica
-    again = router.choose(RouteRequest("generate", PromptKey("007=")), replicas).replica_id
+    again = router.choose(RouteRequest("generate", prompt_key(_prompt("007="))), replicas).replica_id
     assert again == owners["007="]  # the same prompt (a retry) goes back to its owner
 
 
 def test_prompt_affinity_spills_off_an_overloaded_owner():
     """Affinity yields to the load bound: a hot owner's prompts go to the least-loaded replica."""
-    router = PromptAffinity(load_factor=1.0, slack=0)
+    router = KeyAffinity(load_factor=1.0, slack=0)
     replicas = [_Replica(0), _Replica(1)]
-    owner = router.choose(RouteRequest("generate", PromptKey("1=")), replicas)
+    owner = router.choose(RouteRequest("generate", "1="), replicas)
     owner.in_flight = 10
-    other = router.choose(RouteRequest("generate", PromptKey("1=")), replicas)
+    other = router.choose(RouteRequest("generate", "1="), replicas)
     assert other is not owner
 
 

@@ -1,8 +1,13 @@
-"""The Batcher's contract, clause by clause, driven in-process with a fake executor."""
+"""The Batcher's contract, clause by clause, driven in-process with a fake executor.
+
+Deadlines are decided on the Batcher's clock (``FakeClock``) where a test is about them; events
+are ordered with ``settle`` and every wait for a result is bounded (``waits.bounded``).
+"""
 
 import asyncio
 
 import pytest
+from waits import bounded, settle, until
 
 from forge.controller import Batcher, Batching, BatchResultError, ServiceStopped
 
@@ -28,7 +33,7 @@ async def test_batch_is_capped_at_max_size():
     """40 concurrent items with max_size 8 run as 5 batches of 8, results in order."""
     rec = Recorder()
     b = Batcher(Batching(max_size=8, max_wait_s=1.0), rec)
-    out = await asyncio.gather(*(b.submit(i) for i in range(40)))
+    out = await bounded(asyncio.gather(*(b.submit(i) for i in range(40))), "40 results")
     assert out == [i * 2 for i in range(40)]
     assert [len(x) for x in rec.batches] == [8] * 5
 
@@ -38,8 +43,8 @@ async def test_lone_item_runs_after_max_wait():
     rec = Recorder()
     b = Batcher(Batching(max_size=8, max_wait_s=0.05), rec)
     t0 = asyncio.get_running_loop().time()
-    assert await b.submit(3) == 6
-    assert asyncio.get_running_loop().time() - t0 >= 0.045
+    assert await bounded(b.submit(3), "the lone item's result") == 6
+    assert asyncio.get_running_loop().time() - t0 >= 0.05 - 0.005  # not before its wait (timer slack)
     assert rec.batches == [[3]]
 
 
@@ -47,22 +52,7 @@ async def test_size_one_never_waits():
     """max_size=1 runs each item at once even with a very long wait."""
     rec = Recorder()
     b = Batcher(Batching(max_size=1, max_wait_s=1000), rec)
-    assert await asyncio.wait_for(b.submit(1), 1.0) == 2
-
-
-async def test_wait_is_timed_from_first_item():
-    """An item arriving late joins the batch of the first one; the batch runs on the first's deadline."""
-    rec = Recorder()
-    b = Batcher(Batching(max_size=8, max_wait_s=0.3), rec)
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    first = asyncio.ensure_future(b.submit(1))
-    await asyncio.sleep(0.2)
-    second = asyncio.ensure_future(b.submit(2))
-    await asyncio.gather(first, second)
-    elapsed = loop.time() - t0
-    assert rec.batches == [[1, 2]]
-    assert 0.28 <= elapsed < 0.45  # not 0.2 + 0.3: the clock started at the first item
+    assert await bounded(b.submit(1), "the result of a batch of max_size=1", 1.0) == 2
 
 
 class FakeClock:
@@ -75,15 +65,10 @@ class FakeClock:
         return self.now
 
 
-async def settle() -> None:
-    """Let the dispatcher and any batch tasks run until they block."""
-    for _ in range(10):
-        await asyncio.sleep(0)
-
-
-async def test_wait_is_timed_from_first_item_on_the_batchers_clock():
-    """Driven by the clock seam: the batch is due at first item + max_wait_s, not a moment before,
-    and a later item neither restarts nor extends the wait."""
+async def test_wait_is_timed_from_first_item():
+    """An item arriving late joins the batch of the first one, which is due at first item +
+    max_wait_s (on the Batcher's clock), not a moment before: the later item neither restarts
+    nor extends the wait."""
     clock = FakeClock()
     rec = Recorder()
     b = Batcher(Batching(max_size=8, max_wait_s=10.0), rec, clock=clock)
@@ -99,7 +84,7 @@ async def test_wait_is_timed_from_first_item_on_the_batchers_clock():
     b.wake()
     await settle()
     assert rec.batches == [[1, 2]]
-    assert await asyncio.gather(first, second) == [2, 4]
+    assert await bounded(asyncio.gather(first, second), "the batch's results") == [2, 4]
     assert b.stats.queue_wait_s_total == pytest.approx(10.0 + 4.0)  # waits measured on the same clock
 
 
@@ -126,7 +111,7 @@ async def test_oldest_first_item_goes_first_and_a_cancelled_head_moves_the_deadl
     cancelled.cancel()
     clock.now = 100.0  # everything is due; the slot frees up
     rec.gate.set()
-    await asyncio.wait_for(asyncio.gather(blocker, *futures, late), 5.0)
+    await bounded(asyncio.gather(blocker, *futures, late), "every key's batch once the slot is free")
     assert rec.keys == ["busy", "c", "a", "b", "late"]
     assert rec.batches[1] == [1.5, 3.0]
 
@@ -143,7 +128,7 @@ async def test_oldest_first_item_goes_first_and_a_cancelled_head_moves_the_deadl
     assert rec2.batches == []
     clock.now = 1.5
     b2.wake()
-    assert await asyncio.wait_for(tail, 5.0) == "tailtail"
+    assert await bounded(tail, "the live item's batch at its own deadline") == "tailtail"
     assert rec2.batches == [["tail"]]
 
 
@@ -161,7 +146,7 @@ async def test_starting_a_batch_looks_at_a_bounded_number_of_queues():
     b = Batcher(Batching(max_size=8, max_wait_s=0.0), rec, runnable=runnable)
     keys = 2000
     futures = [b.enqueue(i, key=k) for k in range(keys) for i in range(2)]
-    await asyncio.gather(*futures)
+    await bounded(asyncio.gather(*futures), "2,000 keys' batches")
     assert len(rec.batches) == keys
     assert asked <= 4 * keys  # a scan per batch would ask about keys**2 / 2 = 2,000,000 times
     assert b.keys == [] and b.queued == 0
@@ -182,7 +167,15 @@ async def test_held_key_keeps_growing_and_runs_after_wake():
     assert b.queued == 6 and b.has_forming("m1")
     ready["m1"] = True
     b.wake()
-    assert await asyncio.wait_for(asyncio.gather(*held, other), 5.0) == [0, 2, 4, 6, 8, 10, 200]
+    assert await bounded(asyncio.gather(*held, other), "the held key's batches after wake()") == [
+        0,
+        2,
+        4,
+        6,
+        8,
+        10,
+        200,
+    ]
     assert rec.batches[1:] == [[0, 1, 2, 3], [4, 5]]
 
 
@@ -201,7 +194,7 @@ async def test_a_held_queue_emptied_by_a_cancelled_caller_still_serves_later_ite
     ready["m"] = True
     b.wake()
     second = b.enqueue(2, key="m")
-    assert await asyncio.wait_for(second, 2.0) == 4
+    assert await bounded(second, "a later item of a queue its cancelled caller emptied", 2.0) == 4
     assert rec.batches == [[2]]
 
 
@@ -224,7 +217,7 @@ async def test_a_held_queue_whose_callers_all_left_goes_when_released():
     late = b.enqueue(7, key="m")
     clock.now = 6.0
     b.wake()
-    assert await asyncio.wait_for(late, 2.0) == 14
+    assert await bounded(late, "the next item of a released queue whose callers left", 2.0) == 14
     assert rec.batches == [[7]]
 
 
@@ -233,13 +226,13 @@ async def test_batch_keeps_growing_while_slots_are_busy():
     rec = Recorder()
     rec.gate = asyncio.Event()
     b = Batcher(Batching(max_size=16, max_wait_s=0.0), rec)
-    first = asyncio.ensure_future(b.submit(0))
-    await asyncio.sleep(0.05)
-    rest = [asyncio.ensure_future(b.submit(i)) for i in range(1, 8)]
-    await asyncio.sleep(0.1)  # all past their (zero) wait, but the slot is busy
+    first = b.enqueue(0)
+    await until(lambda: len(rec.batches) == 1, "the first batch to start")
+    rest = [b.enqueue(i) for i in range(1, 8)]
+    await settle()  # all past their (zero) wait, but the slot is busy
     assert len(rec.batches) == 1
     rec.gate.set()
-    await asyncio.gather(first, *rest)
+    await bounded(asyncio.gather(first, *rest), "both batches once the slot is free")
     assert rec.batches == [[0], list(range(1, 8))]
 
 
@@ -249,16 +242,16 @@ async def test_send_full_starts_full_batches_past_busy_slots_but_partial_ones_wa
     rec.gate = asyncio.Event()
     b = Batcher(Batching(max_size=4, max_wait_s=0.0), rec, send_full=True)
     futures = [b.enqueue(i) for i in range(14)]  # 3 full batches and 2 items over
-    await asyncio.sleep(0.05)
+    await settle()
     assert rec.batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # the slot is busy: no [12, 13] yet
     futures += [b.enqueue(i) for i in range(14, 16)]  # the partial batch fills up: it goes too
-    await asyncio.sleep(0.05)
+    await settle()
     assert rec.batches[-1] == [12, 13, 14, 15]
     futures.append(b.enqueue(16))
-    await asyncio.sleep(0.05)
+    await settle()
     assert len(rec.batches) == 4  # partial: waits for a slot
     rec.gate.set()
-    assert await asyncio.gather(*futures) == [i * 2 for i in range(17)]
+    assert await bounded(asyncio.gather(*futures), "every batch once the slot is free") == [i * 2 for i in range(17)]
     assert rec.batches[-1] == [16]
 
 
@@ -267,11 +260,10 @@ async def test_concurrent_batches_use_all_slots():
     rec = Recorder()
     rec.gate = asyncio.Event()
     b = Batcher(Batching(max_size=2, max_wait_s=0.0, max_concurrent_batches=2), rec)
-    futs = [asyncio.ensure_future(b.submit(i)) for i in range(4)]
-    await asyncio.sleep(0.1)
-    assert len(rec.batches) == 2  # two running, blocked on the gate
+    futs = [b.enqueue(i) for i in range(4)]
+    await until(lambda: len(rec.batches) == 2, "two batches running at once")  # both blocked on the gate
     rec.gate.set()
-    await asyncio.gather(*futs)
+    await bounded(asyncio.gather(*futs), "both batches' results")
     assert len(rec.batches) == 2
 
 
@@ -280,7 +272,7 @@ async def test_size_fn_limits_total_size():
     rec = Recorder(fn=len)
     b = Batcher(Batching(max_size=10, max_wait_s=0.5, size_fn=len), rec)
     items = ["aaaa", "bbbb", "cccc", "dd", "e"]
-    out = await asyncio.gather(*(b.submit(s) for s in items))
+    out = await bounded(asyncio.gather(*(b.submit(s) for s in items)), "the sized items' results")
     assert out == [4, 4, 4, 2, 1]
     assert all(sum(map(len, batch)) <= 10 for batch in rec.batches)
     assert rec.batches[0] == ["aaaa", "bbbb"]
@@ -290,7 +282,7 @@ async def test_oversized_item_fails_only_its_caller():
     """An item bigger than max_size alone gets a clear error; the others are served."""
     rec = Recorder(fn=len)
     b = Batcher(Batching(max_size=4, max_wait_s=0.01, size_fn=len), rec)
-    ok, bad = await asyncio.gather(b.submit("ab"), b.submit("abcdefg"), return_exceptions=True)
+    ok, bad = await bounded(asyncio.gather(b.submit("ab"), b.submit("abcdefg"), return_exceptions=True), "results")
     assert ok == 2
     assert isinstance(bad, BatchResultError) and "size 7" in str(bad)
 
@@ -298,7 +290,7 @@ async def test_oversized_item_fails_only_its_caller():
 async def test_keys_never_share_a_batch_and_idle_queues_go_away():
     rec = Recorder()
     b = Batcher(Batching(max_size=8, max_wait_s=0.05), rec)
-    await asyncio.gather(*(b.submit(i, key=i % 3) for i in range(12)))
+    await bounded(asyncio.gather(*(b.submit(i, key=i % 3) for i in range(12))), "three keys' batches")
     for batch, key in zip(rec.batches, rec.keys):
         assert {i % 3 for i in batch} == {key}
     assert b.keys == []
@@ -308,17 +300,17 @@ async def test_key_function_groups_items():
     """Batching(key=...) derives the key when the caller gives none."""
     rec = Recorder()
     b = Batcher(Batching(max_size=8, max_wait_s=0.05, key=lambda x: x % 2), rec)
-    await asyncio.gather(*(b.submit(i) for i in range(6)))
+    await bounded(asyncio.gather(*(b.submit(i) for i in range(6))), "two derived keys' batches")
     assert sorted(map(sorted, rec.batches)) == [[0, 2, 4], [1, 3, 5]]
 
 
 async def test_failing_key_function_fails_only_that_caller():
     rec = Recorder()
     b = Batcher(Batching(max_size=8, max_wait_s=0.01, key=lambda x: 10 // x), rec)
-    good, bad = await asyncio.gather(b.submit(5), b.submit(0), return_exceptions=True)
+    good, bad = await bounded(asyncio.gather(b.submit(5), b.submit(0), return_exceptions=True), "results")
     assert good == 10
     assert isinstance(bad, BatchResultError) and "ZeroDivisionError" in str(bad)
-    assert await b.submit(2) == 4  # still serving
+    assert await bounded(b.submit(2), "a result after a failing key function") == 4  # still serving
 
 
 async def test_exception_in_one_slot_fails_only_that_caller():
@@ -326,7 +318,7 @@ async def test_exception_in_one_slot_fails_only_that_caller():
         return [ValueError(f"bad {i}") if i == 2 else i for i in items]
 
     b = Batcher(Batching(max_size=4, max_wait_s=0.05), execute)
-    out = await asyncio.gather(*(b.submit(i) for i in range(4)), return_exceptions=True)
+    out = await bounded(asyncio.gather(*(b.submit(i) for i in range(4)), return_exceptions=True), "results")
     assert out[0:2] == [0, 1] and out[3] == 3
     assert isinstance(out[2], ValueError) and str(out[2]) == "bad 2"
 
@@ -339,10 +331,10 @@ async def test_wrong_result_length_fails_the_whole_batch_and_batcher_recovers():
         return items[:-1] if len(calls) == 1 else items
 
     b = Batcher(Batching(max_size=4, max_wait_s=0.05), execute)
-    out = await asyncio.gather(*(b.submit(i) for i in range(3)), return_exceptions=True)
+    out = await bounded(asyncio.gather(*(b.submit(i) for i in range(3)), return_exceptions=True), "errors")
     assert all(isinstance(e, BatchResultError) for e in out)
     assert "3 results" in str(out[0]) and "length 2" in str(out[0])
-    assert await b.submit(7) == 7
+    assert await bounded(b.submit(7), "a result after a wrong-length batch") == 7
 
 
 async def test_non_list_result_is_a_clear_error():
@@ -351,7 +343,7 @@ async def test_non_list_result_is_a_clear_error():
 
     b = Batcher(Batching(max_size=2, max_wait_s=0.0), execute)
     with pytest.raises(BatchResultError, match="got int"):
-        await b.submit(1)
+        await bounded(b.submit(1), "the error of a non-list result")
 
 
 async def test_executor_exception_reaches_every_caller_of_the_batch():
@@ -359,40 +351,50 @@ async def test_executor_exception_reaches_every_caller_of_the_batch():
         raise RuntimeError("engine down")
 
     b = Batcher(Batching(max_size=4, max_wait_s=0.05), execute)
-    out = await asyncio.gather(*(b.submit(i) for i in range(3)), return_exceptions=True)
+    out = await bounded(asyncio.gather(*(b.submit(i) for i in range(3)), return_exceptions=True), "errors")
     assert all(isinstance(e, RuntimeError) and str(e) == "engine down" for e in out)
 
 
 async def test_cancelled_callers_are_dropped_before_the_batch_runs():
+    clock = FakeClock()
     rec = Recorder()
-    b = Batcher(Batching(max_size=8, max_wait_s=0.1), rec)
+    b = Batcher(Batching(max_size=8, max_wait_s=1.0), rec, clock=clock)
     keep = asyncio.ensure_future(b.submit(1))
     drop = asyncio.ensure_future(b.submit(2))
-    await asyncio.sleep(0.01)
+    await settle()
     drop.cancel()
-    assert await keep == 2
+    clock.now = 1.0
+    b.wake()
+    assert await bounded(keep, "the remaining caller's batch") == 2
     assert rec.batches == [[1]]
 
 
 async def test_all_cancelled_means_endpoint_not_called():
+    clock = FakeClock()
     rec = Recorder()
-    b = Batcher(Batching(max_size=8, max_wait_s=0.05), rec)
+    b = Batcher(Batching(max_size=8, max_wait_s=1.0), rec, clock=clock)
     futs = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
-    await asyncio.sleep(0.01)
+    await settle()
     for f in futs:
         f.cancel()
-    await asyncio.sleep(0.1)
-    assert rec.batches == []
-    assert await b.submit(5) == 10  # the batcher still serves
+    clock.now = 5.0  # long past the batch's deadline
+    b.wake()
+    await settle()
+    assert rec.batches == [] and b.keys == [] and b.queued == 0
+    late = b.enqueue(5)
+    clock.now = 7.0
+    b.wake()
+    assert await bounded(late, "a later item's batch") == 10  # the batcher still serves
+    assert rec.batches == [[5]]
 
 
 async def test_close_fails_queued_items_instead_of_hanging():
     rec = Recorder()
     b = Batcher(Batching(max_size=8, max_wait_s=10.0), rec)
     futs = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
-    await asyncio.sleep(0.01)
+    await settle()
     await b.close()
-    out = await asyncio.gather(*futs, return_exceptions=True)
+    out = await bounded(asyncio.gather(*futs, return_exceptions=True), "the queued callers' errors after close()")
     assert all(isinstance(e, ServiceStopped) for e in out)
     with pytest.raises(ServiceStopped):
         await b.submit(1)

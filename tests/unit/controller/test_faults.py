@@ -1,4 +1,8 @@
-"""Fault tolerance on real CPU meshes: replica death, restart, resync, admission, bad input."""
+"""Fault tolerance on real CPU meshes: replica death, restart, resync, admission, bad input.
+
+Every wait is bounded (``waits``): a regression (no retry, a retry where none is allowed,
+traffic before the resync) fails in seconds with what did not happen, not at pytest's timeout.
+"""
 
 import asyncio
 import os
@@ -8,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from waits import bounded, until
 
 from forge.controller import (
     Batching,
@@ -73,13 +78,6 @@ class Worker(ForgeActor):
         raise RuntimeError("application error")
 
 
-async def wait_until(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
-
-
 def all_healthy(svc) -> bool:
     return all(r.state is ReplicaState.HEALTHY for r in svc.service.replicas)
 
@@ -96,18 +94,18 @@ async def test_killed_replica_loses_no_request_and_comes_back():
             return await svc.work.route(i)
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(1000)]
-        await asyncio.sleep(1.5)
+        await until(lambda: sum(t.done() for t in tasks) >= 300, "300 answers before the kill", 20)
         os.kill(victim_pid, signal.SIGKILL)
-        done, pending = await asyncio.wait(tasks, timeout=60)
+        done, pending = await asyncio.wait(tasks, timeout=30)
         ok = sum(1 for t in done if not t.exception() and t.result() == tasks.index(t) + 1)
         clear = sum(1 for t in done if isinstance(t.exception(), ForgeError))
         print(f"requests=1000 ok={ok} failed_clear={clear} hung={len(pending)}")
-        assert not pending
+        assert not pending, f"{len(pending)} requests still unanswered 30 s after the kill"
         assert ok + clear == 1000
         assert ok >= 990  # in-flight requests of the dead replica were retried elsewhere
         assert ok == 1000  # every request answered with its own result: none lost to the death
         assert svc.metrics()["retried"] > 0  # ... because the dead replica's requests were resent
-        await wait_until(lambda: all_healthy(svc))
+        await until(lambda: all_healthy(svc), "the killed replica to be healthy again", 20)
         assert victim.generation == 1 and victim.restarts == 1
         pids = await svc.pid.fanout()
         assert len(set(pids)) == 3 and victim_pid not in pids
@@ -120,9 +118,10 @@ async def test_process_exit_inside_endpoint_is_reported_and_replica_restarts():
     svc = await Worker.options(num_replicas=2, restart_backoff_s=0.2).as_service()
     try:
         with pytest.raises(ReplicaFailed):
-            await svc.crash.route()
-        assert await svc.work.route_many([1, 2, 3]) == [2, 3, 4]  # served by the survivor
-        await wait_until(lambda: all_healthy(svc))
+            await bounded(svc.crash.route(), "ReplicaFailed for a call whose process exited", 20)
+        survivor = svc.work.route_many([1, 2, 3])
+        assert await bounded(survivor, "answers from the surviving replica", 20) == [2, 3, 4]
+        await until(lambda: all_healthy(svc), "the exited replica to be healthy again", 20)
         assert sum(r.restarts for r in svc.service.replicas) == 1
     finally:
         await svc.shutdown()
@@ -135,13 +134,13 @@ async def test_non_idempotent_endpoint_is_not_retried():
     try:
         pids = [await r.call("pid", (), {}, 10) for r in svc.service.replicas]
         call = asyncio.ensure_future(svc.once.route(7))
-        await asyncio.sleep(0.1)
+        await until(lambda: any(r.in_flight for r in svc.service.replicas), "the request to reach a replica")
         busy = [r for r in svc.service.replicas if r.in_flight]
         assert len(busy) == 1
         target = busy[0]
         os.kill(pids[target.replica_id], signal.SIGKILL)
         with pytest.raises(ReplicaFailed, match="process (failed|died)"):
-            await call
+            await bounded(call, "ReplicaFailed for a retry=False request whose replica died", 20)
         assert svc.metrics()["retried"] == 0
     finally:
         await svc.shutdown()
@@ -168,11 +167,11 @@ async def test_restarted_replica_resyncs_before_taking_traffic():
         while not svc.service.recovery_log:  # until the restart, resync included, is done
             assert time.monotonic() < deadline, "the replica did not recover in time"
             states.add(victim.state)
-            answers.append(await svc.get_value.route())
+            answers.append(await bounded(svc.get_value.route(), "an answer while a replica recovers", 10))
             await asyncio.sleep(0.01)
         assert set(answers) == {42}
         assert ReplicaState.RECOVERING in states  # requests were sent while it resynced
-        await wait_until(lambda: svc.service.replicas[0].generation == 1 and all_healthy(svc))
+        await until(lambda: victim.generation == 1 and all_healthy(svc), "the resynced replica to be healthy", 20)
         assert await svc.get_value.fanout() == [42, 42]
     finally:
         await svc.shutdown()
@@ -183,7 +182,7 @@ async def test_application_errors_never_restart_a_replica():
     try:
         for _ in range(4):
             with pytest.raises(EndpointError, match="RuntimeError: application error"):
-                await svc.fail.route()
+                await bounded(svc.fail.route(), "the endpoint's own error")
         await asyncio.sleep(1.5)  # longer than failure detection
         assert [(r.state, r.generation) for r in svc.service.replicas] == [(ReplicaState.HEALTHY, 0)] * 2
     finally:
@@ -195,14 +194,14 @@ async def test_admission_limits_give_overloaded_after_the_queue_wait():
         num_replicas=1, max_in_flight_per_replica=2, max_queued=3, queue_timeout_s=0.3
     ).as_service()
     try:
-        t0 = time.monotonic()
-        results = await asyncio.gather(*(svc.slow.route(i) for i in range(10)), return_exceptions=True)
+        calls = asyncio.gather(*(svc.slow.route(i) for i in range(10)), return_exceptions=True)
+        # Bounded by the config: the two admitted calls take 1 s; the three that wait give up after 0.3 s.
+        results = await bounded(calls, "2 answers and 8 Overloaded under the admission limits", 10)
         served = [r for r in results if isinstance(r, int)]
         overloaded = [r for r in results if isinstance(r, Overloaded)]
         assert len(served) == 2 and len(overloaded) == 8
         assert sum("max_queued=3" in str(e) for e in overloaded) == 5  # no room even to wait
         assert sum("waited 0.3s" in str(e) for e in overloaded) == 3
-        assert time.monotonic() - t0 < 3
     finally:
         await svc.shutdown()
 
@@ -211,9 +210,9 @@ async def test_per_call_timeout():
     svc = await Worker.options(num_replicas=1).as_service()
     try:
         with pytest.raises(RequestTimeout):
-            await svc.slow.route(1, timeout=0.1)
+            await bounded(svc.slow.route(1, timeout=0.1), "RequestTimeout of a plain call")
         with pytest.raises(RequestTimeout):
-            await svc.work.route(1, timeout=1e-6)
+            await bounded(svc.work.route(1, timeout=1e-6), "RequestTimeout of a batched item")
     finally:
         await svc.shutdown()
 
@@ -227,7 +226,8 @@ async def test_flood_keeps_controller_memory_bounded():
         rss_before = psutil.Process().memory_info().rss
         served = refused = 0
         for _wave in range(10):
-            out = await asyncio.gather(*(svc.work.route(i) for i in range(10_000)), return_exceptions=True)
+            wave = asyncio.gather(*(svc.work.route(i) for i in range(10_000)), return_exceptions=True)
+            out = await bounded(wave, "a wave of 10,000 answered or refused", 60)
             served += sum(isinstance(r, int) for r in out)
             refused += sum(isinstance(r, Overloaded) for r in out)
         growth_mb = (psutil.Process().memory_info().rss - rss_before) / 2**20
@@ -243,7 +243,8 @@ async def test_unpicklable_item_fails_only_its_caller():
     svc = await Worker.options(num_replicas=1).as_service()
     try:
         lock = threading.Lock()
-        out = await asyncio.gather(svc.work.route(1), svc.work.route(lock), svc.work.route(3), return_exceptions=True)
+        calls = asyncio.gather(svc.work.route(1), svc.work.route(lock), svc.work.route(3), return_exceptions=True)
+        out = await bounded(calls, "a batch with one unpicklable item")
         assert out[0] == 2 and out[2] == 4
         assert isinstance(out[1], UnsendableArgument) and "lock" in str(out[1])
         with pytest.raises(UnsendableArgument, match="must be picklable"):
@@ -255,9 +256,10 @@ async def test_unpicklable_item_fails_only_its_caller():
 async def test_failing_assembly_fails_only_its_batch():
     svc = await Worker.options(num_replicas=1).as_service()
     try:
-        bad = await asyncio.gather(svc.assembled.route("a"), svc.assembled.route("boom"), return_exceptions=True)
+        calls = asyncio.gather(svc.assembled.route("a"), svc.assembled.route("boom"), return_exceptions=True)
+        bad = await bounded(calls, "the errors of a batch whose assembly failed")
         assert all(isinstance(e, ValueError) and "boom" in str(e) for e in bad)
-        assert await svc.assembled.route_many(["x", "y"]) == ["X", "Y"]
+        assert await bounded(svc.assembled.route_many(["x", "y"]), "the next batch") == ["X", "Y"]
     finally:
         await svc.shutdown()
 

@@ -1,7 +1,7 @@
 """Replicas report sums; the service adds them up and computes every mean once (plain logic)."""
 
+from forge.controller.metrics import aggregate_endpoints, endpoint_view
 from forge.controller.model_cache import aggregate_metrics
-from forge.controller.replica import aggregate_endpoints, endpoint_view
 
 
 def sums(requests, batches, items, wait_total, max_size, in_flight=0, errors=0):

@@ -2,7 +2,8 @@
 
 Every result says which model served it, so a test can check that no request was ever served
 by another model than the one it named. The LRU and routing logic alone, with fakes, is in
-``test_multiplex_logic.py``.
+``test_multiplex_logic.py``. Waits for results are bounded (``waits``), so a request that is
+never served fails its test in seconds.
 """
 
 import asyncio
@@ -11,6 +12,7 @@ import random
 import signal
 
 import pytest
+from waits import bounded, until
 
 from forge.controller import (
     Batching,
@@ -99,7 +101,7 @@ async def test_every_request_is_served_by_the_model_it_named(solo):
         return await solo.predict.route(i, model_id=model_id)
 
     before = solo.metrics()["models"]["evictions"]
-    out = await asyncio.gather(*(ask(i, m) for i, m in asks))
+    out = await bounded(asyncio.gather(*(ask(i, m) for i, m in asks)), "120 requests over 3 models", 30)
     assert out == [(m, i) for i, m in asks]
     assert solo.metrics()["models"]["evictions"] > before
 
@@ -107,7 +109,8 @@ async def test_every_request_is_served_by_the_model_it_named(solo):
 async def test_batches_fill_per_model_while_models_share_the_replica(solo):
     """Ray #50695: 16 requests for each of two models, interleaved: four full batches of 8."""
     mark = len(await solo.events.route())
-    await asyncio.gather(*(solo.predict.route(i, model_id="f1" if i % 2 else "f2") for i in range(32)))
+    calls = asyncio.gather(*(solo.predict.route(i, model_id="f1" if i % 2 else "f2") for i in range(32)))
+    await bounded(calls, "32 requests over two models", 20)
     runs = [e for e in await since(solo, mark) if e[0] == "run"]
     assert sorted(runs) == [("run", "f1", 8), ("run", "f1", 8), ("run", "f2", 8), ("run", "f2", 8)]
     per_model = solo.metrics()["models"]["per_model"]
@@ -116,7 +119,7 @@ async def test_batches_fill_per_model_while_models_share_the_replica(solo):
 
 async def test_least_recently_used_idle_model_is_evicted(solo):
     for model_id in ("a", "b", "a", "c"):
-        await solo.predict.route(0, model_id=model_id)
+        await bounded(solo.predict.route(0, model_id=model_id), f"a request for model {model_id}", 10)
     assert await solo.held.route() == ["a", "c"]
 
 
@@ -125,10 +128,11 @@ async def test_model_with_running_work_is_never_evicted(solo):
     finished its batch, and the evicted one had nothing left to run."""
     mark = len(await solo.events.route())
     busy = [asyncio.ensure_future(solo.slow.route(i, model_id=m)) for i, m in enumerate(["x", "y", "x", "y"])]
-    await asyncio.sleep(0.1)
-    third = await solo.slow.route(9, model_id="z")
+    models = solo.service.replicas[0].models
+    await until(lambda: sorted(models.metrics()["loaded"]) == ["x", "y"], "x and y loaded, with work queued", 10)
+    third = await bounded(solo.slow.route(9, model_id="z"), "z loaded once x or y has no work left", 20)
     assert third == ("z", 9)
-    assert await asyncio.gather(*busy) == [("x", 0), ("y", 1), ("x", 2), ("y", 3)]
+    assert await bounded(asyncio.gather(*busy), "x's and y's batches", 20) == [("x", 0), ("y", 1), ("x", 2), ("y", 3)]
     log = await since(solo, mark)
     evicted = [e[1] for e in log if e[0] == "evict"]
     for victim in set(evicted) & {"x", "y"}:
@@ -138,23 +142,24 @@ async def test_model_with_running_work_is_never_evicted(solo):
 
 
 async def test_failed_load_fails_only_its_requests(solo):
-    out = await asyncio.gather(
+    calls = asyncio.gather(
         solo.predict.route(1, model_id="broken"),
         solo.predict.route(2, model_id="a"),
         solo.predict.route(3, model_id="broken"),
         return_exceptions=True,
     )
+    out = await bounded(calls, "a failed load's errors and another model's result", 10)
     assert out[1] == ("a", 2)
     for err in (out[0], out[2]):
         assert isinstance(err, ModelLoadError) and err.type_name == "ValueError" and "no weights for broken" in str(err)
     with pytest.raises(ModelLoadError):  # the next request tries the load again
-        await solo.predict.route(4, model_id="broken")
+        await bounded(solo.predict.route(4, model_id="broken"), "the second load's error", 10)
     assert solo.metrics()["models"]["load_failures"] == 2
-    assert await solo.predict.route(5, model_id="a") == ("a", 5)  # the replica keeps serving
+    assert await bounded(solo.predict.route(5, model_id="a"), "a result after failed loads", 10) == ("a", 5)
 
 
 async def test_idle_model_queues_are_removed(solo):
-    await asyncio.gather(*(solo.predict.route(i, model_id=f"q{i % 4}") for i in range(16)))
+    await bounded(asyncio.gather(*(solo.predict.route(i, model_id=f"q{i % 4}") for i in range(16))), "results", 20)
     replica = solo.service.replicas[0]
     assert replica.batchers["predict"].keys == []
     assert replica.metrics()["models"]["waiting"] == [] and replica.metrics()["models"]["loading"] == []
@@ -200,6 +205,8 @@ async def test_route_needs_a_model_id(solo):
         await solo.predict.route(1)
     with pytest.raises(TypeError, match="is multiplexed: name the model"):
         await solo.predict.route(1, key="a")
+    with pytest.raises(TypeError, match="no key= or batch_key="):
+        await solo.predict.route(1, model_id="a", batch_key="a")
 
 
 async def test_model_aware_routing_loads_each_model_about_once(trio):
@@ -208,7 +215,7 @@ async def test_model_aware_routing_loads_each_model_about_once(trio):
     rng = random.Random(2)
     for _ in range(15):
         asks = [(i, f"s{rng.randrange(6)}") for i in range(12)]
-        out = await asyncio.gather(*(trio.predict.route(i, model_id=m) for i, m in asks))
+        out = await bounded(asyncio.gather(*(trio.predict.route(i, model_id=m) for i, m in asks)), "a wave", 20)
         assert out == [(m, i) for i, m in asks]
     m = trio.metrics()["models"]
     assert m["loads"] <= 7 and m["evictions"] <= 1
@@ -241,9 +248,8 @@ async def test_round_robin_thrashes_where_model_aware_does_not():
         rng = random.Random(2)
         for _ in range(15):
             asks = [(i, f"s{rng.randrange(6)}") for i in range(12)]
-            assert await asyncio.gather(*(svc.predict.route(i, model_id=m) for i, m in asks)) == [
-                (m, i) for i, m in asks
-            ]
+            out = await bounded(asyncio.gather(*(svc.predict.route(i, model_id=m) for i, m in asks)), "a wave", 20)
+            assert out == [(m, i) for i, m in asks]
         assert svc.metrics()["models"]["loads"] >= 20
     finally:
         await svc.shutdown()
@@ -266,16 +272,14 @@ async def test_requests_of_a_killed_replica_are_served_by_their_model_elsewhere(
             return await svc.predict.route(i, model_id=model_id)
 
         tasks = [asyncio.ensure_future(ask(i, m)) for i, m in asks]
-        await asyncio.sleep(0.3)
+        await until(lambda: sum(t.done() for t in tasks) >= 50, "50 answers before the kill", 10)
         os.kill(pid, signal.SIGKILL)
-        assert await asyncio.gather(*tasks) == [(m, i) for i, m in asks]
+        out = await bounded(asyncio.gather(*tasks), "every request answered by its model after the kill", 30)
+        assert out == [(m, i) for i, m in asks]
         assert svc.metrics()["retried"] > 0
         survivor = svc.service.replicas[1].metrics()["models"]
         assert set(victim_models) <= set(survivor["loaded"])
-        for _ in range(200):
-            if victim.state is ReplicaState.HEALTHY:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: victim.state is ReplicaState.HEALTHY, "the killed replica to be healthy again", 20)
         assert victim.generation == 1 and victim.metrics()["models"]["loads"] == 0
         assert await svc.predict.fanout(1, model_id="k0") == [("k0", 1)] * 2
     finally:
@@ -288,7 +292,8 @@ async def test_requests_that_wait_for_admission_keep_their_model():
     svc = await Predictor.options(num_replicas=1, max_in_flight_per_replica=2).as_service()
     try:
         asks = [(i, "w1" if i % 2 else "w2") for i in range(6)]
-        assert await asyncio.gather(*(svc.slow.route(i, model_id=m) for i, m in asks)) == [(m, i) for i, m in asks]
+        out = await bounded(asyncio.gather(*(svc.slow.route(i, model_id=m) for i, m in asks)), "admitted requests", 20)
+        assert out == [(m, i) for i, m in asks]
     finally:
         await svc.shutdown()
 

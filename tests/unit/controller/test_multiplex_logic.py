@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
+from waits import bounded, settle, until
 
 from forge.controller import Batching, ModelAware, ModelLoadError, RoundRobin, RouteRequest
 from forge.controller.errors import EndpointError
@@ -64,7 +65,7 @@ def make(max_models=2, max_size=8, max_wait_s=0.01, slots=1, **actor_kwargs):
 async def test_model_loads_on_first_request_and_serves_its_batch():
     """The first request of a model loads it; its batch runs after, on that model."""
     actor, models, b = make()
-    out = await asyncio.gather(*(b.submit(i, "m1") for i in range(3)))
+    out = await bounded(asyncio.gather(*(b.submit(i, "m1") for i in range(3))), "m1's batch after its load")
     assert out == [("m1", 0), ("m1", 1), ("m1", 2)]
     assert actor.calls == [("m1", [])]
     assert actor.batches == [("m1", [0, 1, 2])]
@@ -75,30 +76,31 @@ async def test_queue_is_held_back_while_its_model_loads_and_keeps_growing():
     """Items wait for the load and then run as one full batch, not as many small ones."""
     actor, models, b = make(max_size=16, max_wait_s=0.0)
     actor.load_gate = asyncio.Event()
-    futs = [asyncio.ensure_future(b.submit(i, "m1")) for i in range(10)]
-    await asyncio.sleep(0.05)
-    assert actor.batches == [] and models.metrics()["loading"] == ["m1"]
+    futs = [b.enqueue(i, "m1") for i in range(10)]
+    await until(lambda: models.metrics()["loading"] == ["m1"], "m1's load to start")
+    await settle()
+    assert actor.batches == []
     actor.load_gate.set()
-    await asyncio.gather(*futs)
+    await bounded(asyncio.gather(*futs), "m1's batch after its load")
     assert actor.batches == [("m1", list(range(10)))]
     await b.close()
 
 
 async def test_other_models_run_while_one_loads():
     actor, models, b = make()
-    await b.submit(0, "m1")
+    await bounded(b.submit(0, "m1"), "m1's first batch")
     actor.load_gate = asyncio.Event()
-    slow = asyncio.ensure_future(b.submit(1, "m2"))
-    assert await asyncio.wait_for(b.submit(2, "m1"), 1.0) == ("m1", 2)
+    slow = b.enqueue(1, "m2")
+    assert await bounded(b.submit(2, "m1"), "m1's batch while m2 loads", 1.0) == ("m1", 2)
     actor.load_gate.set()
-    assert await slow == ("m2", 1)
+    assert await bounded(slow, "m2's batch after its load") == ("m2", 1)
     await b.close()
 
 
 async def test_least_recently_used_idle_model_is_evicted():
     actor, models, b = make(max_models=2)
     for model_id in ("m1", "m2", "m1", "m3"):
-        await b.submit(0, model_id)
+        await bounded(b.submit(0, model_id), f"a batch of {model_id}")
     assert actor.calls == [("m1", []), ("m2", []), ("m3", ["m2"])]
     assert models.metrics()["loaded"] == ["m1", "m3"]
     await b.close()
@@ -109,15 +111,16 @@ async def test_busy_model_is_not_evicted_but_drains():
     for a reload instead of keeping m1 resident forever."""
     actor, models, b = make(max_models=1)
     actor.run_gate = asyncio.Event()
-    first = asyncio.ensure_future(b.submit(1, "m1"))
-    await asyncio.sleep(0.05)  # m1's batch is running (held)
-    second = asyncio.ensure_future(b.submit(2, "m2"))
-    await asyncio.sleep(0.02)  # m2 waits for room, so m1 starts draining
-    late = asyncio.ensure_future(b.submit(3, "m1"))  # arrives while m1 drains
-    await asyncio.sleep(0.02)
+    first = b.enqueue(1, "m1")
+    await until(lambda: actor.batches == [("m1", [1])], "m1's batch to run")  # and be held there
+    second = b.enqueue(2, "m2")
+    await settle()  # m2 waits for room, so m1 starts draining
+    late = b.enqueue(3, "m1")  # arrives while m1 drains
+    await settle()
     assert actor.calls == [("m1", [])]  # m2 waits: m1 has running work
     actor.run_gate.set()
-    assert await asyncio.gather(first, second, late) == [("m1", 1), ("m2", 2), ("m1", 3)]
+    out = await bounded(asyncio.gather(first, second, late), "m1 drained, m2 loaded, m1 reloaded")
+    assert out == [("m1", 1), ("m2", 2), ("m1", 3)]
     assert actor.calls == [("m1", []), ("m2", ["m1"]), ("m1", ["m2"])]
     await b.close()
 
@@ -132,21 +135,22 @@ async def test_busy_models_cannot_starve_a_waiting_model():
             await asyncio.gather(*(b.submit(i, "hot") for i in range(4)))
 
     streams = [asyncio.ensure_future(hot()) for _ in range(3)]
-    await asyncio.sleep(0.05)
-    assert await asyncio.wait_for(b.submit(7, "cold"), 2.0) == ("cold", 7)
+    await until(lambda: len(actor.batches) >= 3, "the hot model's stream to run")
+    assert await bounded(b.submit(7, "cold"), "the waiting model's batch past a busy one", 2.0) == ("cold", 7)
     stop.set()
-    await asyncio.gather(*streams)
+    await bounded(asyncio.gather(*streams), "the hot streams to stop")
     await b.close()
 
 
 async def test_failed_load_fails_only_its_requests_and_is_tried_again():
     actor, models, b = make(fail={"bad"})
-    out = await asyncio.gather(b.submit(1, "bad"), b.submit(2, "bad"), b.submit(3, "m1"), return_exceptions=True)
+    asks = asyncio.gather(b.submit(1, "bad"), b.submit(2, "bad"), b.submit(3, "m1"), return_exceptions=True)
+    out = await bounded(asks, "a failed load's errors and another model's batch")
     assert all(
         isinstance(e, ModelLoadError) and "no model bad" in str(e) and "load_model('bad')" in str(e) for e in out[:2]
     )
     assert out[2] == ("m1", 3)
-    assert await b.submit(4, "bad") == ("bad", 4)  # the next request loads it again
+    assert await bounded(b.submit(4, "bad"), "a second load of a model that failed") == ("bad", 4)  # loads again
     m = models.metrics()
     assert m["load_failures"] == 1 and m["loads"] == 2 and b.keys == []
     await b.close()
@@ -156,15 +160,16 @@ async def test_cancelled_waiters_release_their_claim_on_a_load():
     """A request that gives up while its model waits for room causes no load."""
     actor, models, b = make(max_models=1)
     actor.run_gate = asyncio.Event()
-    busy = asyncio.ensure_future(b.submit(1, "m1"))
-    await asyncio.sleep(0.05)
+    busy = b.enqueue(1, "m1")
+    await until(lambda: actor.batches == [("m1", [1])], "m1's batch to run")
     waiter = asyncio.ensure_future(b.submit(2, "m2"))
-    await asyncio.sleep(0.01)
+    await settle()
+    assert models.metrics()["waiting"] == ["m2"]
     waiter.cancel()
-    await asyncio.sleep(0.01)
+    await settle()
     actor.run_gate.set()
-    await busy
-    await asyncio.sleep(0.05)
+    await bounded(busy, "m1's held batch")
+    await settle()  # the loader wakes when m1 goes idle, and finds m2 unclaimed
     assert actor.calls == [("m1", [])] and models.metrics()["waiting"] == []
     await b.close()
 
@@ -179,7 +184,7 @@ async def test_batches_never_mix_models_under_concurrency_and_eviction():
         await asyncio.sleep(rng.random() * 0.05)
         return await b.submit(i, model_id)
 
-    out = await asyncio.gather(*(one(i, m) for i, m in asks))
+    out = await bounded(asyncio.gather(*(one(i, m) for i, m in asks)), "400 results over 5 models", 20.0)
     assert out == [(m, i) for i, m in asks]
     assert models.evictions > 0  # eviction really happened meanwhile
     assert b.keys == [] and models.metrics()["waiting"] == []  # idle queues are gone
@@ -188,9 +193,9 @@ async def test_batches_never_mix_models_under_concurrency_and_eviction():
 
 async def test_metrics_count_loads_evictions_hits_and_batch_sizes():
     actor, models, b = make(max_models=1, max_size=4, max_wait_s=0.05)
-    await asyncio.gather(*(b.submit(i, "a") for i in range(4)))  # misses: a is loading
-    await asyncio.gather(*(b.submit(i, "a") for i in range(2)))  # hits
-    await b.submit(0, "b")
+    await bounded(asyncio.gather(*(b.submit(i, "a") for i in range(4))), "a's first batch")  # misses: a is loading
+    await bounded(asyncio.gather(*(b.submit(i, "a") for i in range(2))), "a's second batch")  # hits
+    await bounded(b.submit(0, "b"), "b's batch")
     sums = models.metrics()  # a replica reports sums; the means are computed from them
     assert sums["per_model"]["a"]["items"] == 6
     m = models_view(sums)
@@ -204,11 +209,11 @@ async def test_metrics_count_loads_evictions_hits_and_batch_sizes():
 async def test_close_fails_requests_waiting_for_a_load():
     actor, models, b = make()
     actor.load_gate = asyncio.Event()
-    fut = asyncio.ensure_future(b.submit(1, "m1"))
-    await asyncio.sleep(0.01)
+    fut = b.enqueue(1, "m1")
+    await until(lambda: models.metrics()["loading"] == ["m1"], "m1's load to start")
     await b.close()
     with pytest.raises(Exception, match="closed"):
-        await fut
+        await bounded(fut, "the error of a request whose load was closed")
 
 
 # ------------------------------------------------------------------ routing
@@ -301,7 +306,8 @@ async def test_stream_over_six_models_loads_each_about_once_with_model_aware_rou
 
     for _wave in range(40):
         asks = [(i, f"m{rng.randrange(6)}") for i in range(12)]
-        assert await asyncio.gather(*(route(i, m) for i, m in asks)) == [(m, i) for i, m in asks]
+        out = await bounded(asyncio.gather(*(route(i, m) for i, m in asks)), "a wave of 12 requests over 6 models")
+        assert out == [(m, i) for i, m in asks]
     loads = sum(rep.models.loads for rep in reps)
     if most_loads is not None:
         assert loads <= most_loads

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from forge.controller import KeyAffinity, LeastLoaded, RoundRobin, Router, RouteRequest, Sticky, register_router
-from forge.controller.routing import make_router
+from forge.controller.routing import Pins, make_router, replica_by_id
 
 
 @dataclass
@@ -91,14 +91,24 @@ def test_key_affinity_keeps_the_owner_within_the_bound():
     assert r.choose(RouteRequest("ep", "k"), reps) is owner
 
 
-def test_key_affinity_prefers_a_replica_with_a_forming_batch():
+def test_key_affinity_prefers_a_replica_where_the_requests_batch_queue_is_forming():
     r = KeyAffinity()
     reps = replicas(3)
     owner = r.owner("k", reps)
     other = next(x for x in reps if x is not owner)
-    other.forming.add(("ep", "k"))
-    assert r.choose(RouteRequest("ep", "k"), reps) is other
-    assert r.choose(RouteRequest("other_ep", "k"), reps) is owner  # batches are per endpoint
+    other.forming.add(("ep", "b"))
+    assert r.choose(RouteRequest("ep", "k", batch_key="b"), reps) is other
+    assert r.choose(RouteRequest("other_ep", "k", batch_key="b"), reps) is owner  # batches are per endpoint
+
+
+def test_key_affinity_ignores_forming_batches_of_a_request_that_names_no_batch_queue():
+    """Without a batch key the item joins the endpoint's shared queue, forming everywhere:
+    following it would undo the affinity, so the routing key alone decides."""
+    r = KeyAffinity()
+    reps = replicas(3)
+    for x in reps:
+        x.forming.update({("ep", None), ("ep", "k")})
+    assert all(r.choose(RouteRequest("ep", key), reps) is r.owner(key, reps) for key in ("k", "j", "i"))
 
 
 def test_sticky_keeps_a_session_on_its_replica_until_it_leaves():
@@ -109,7 +119,34 @@ def test_sticky_keeps_a_session_on_its_replica_until_it_leaves():
         x.in_flight = 5 if x is first else 0
     assert r.choose(RouteRequest("ep", "session-1"), reps) is first
     rest = [x for x in reps if x is not first]
-    assert r.choose(RouteRequest("ep", "session-1"), rest) in rest
+    moved = r.choose(RouteRequest("ep", "session-1"), rest)
+    assert moved in rest
+    assert r.choose(RouteRequest("ep", "session-1"), reps) is moved  # re-pinned where it went
+
+
+def test_pins_hold_under_the_bound_spill_past_it_and_forget_the_least_recently_used():
+    pins = Pins(max_names=2)
+    reps = replicas(3)
+    assert pins.get("a", reps) is None  # not pinned yet
+    pins.pin("a", reps[2])
+    pins.pin("b", reps[0])
+    assert pins.get("a", reps, bound=1) is reps[2]
+    reps[2].in_flight = 1
+    assert pins.get("a", reps, bound=1) is None and pins.spills == 1  # at the bound: spill
+    assert pins.get("a", reps) is reps[2]  # no bound: it holds
+    assert pins.get("a", reps[:2]) is None  # its replica is no candidate
+    pins.pin("c", reps[1])  # "b" is the least recently used
+    assert pins.names() == ["a", "c"]
+    with pytest.raises(ValueError, match="max_names must be an integer >= 1, got 0"):
+        Pins(max_names=0)
+
+
+def test_replica_by_id_finds_a_replica_among_any_ordered_subset():
+    reps = replicas(6)
+    assert replica_by_id(reps, 4) is reps[4]
+    subset = [reps[i] for i in (0, 2, 3, 5)]
+    assert replica_by_id(subset, 3) is reps[3] and replica_by_id(subset, 5) is reps[5]
+    assert replica_by_id(subset, 1) is None and replica_by_id(subset, 9) is None
 
 
 def test_router_registry_rejects_duplicates_and_unknown_names():

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from monarch.actor import current_rank
+from waits import bounded, settle
 
 from forge.controller import (
     Batching,
@@ -18,6 +19,7 @@ from forge.controller import (
     EndpointError,
     ForgeActor,
     InsufficientGpus,
+    RequestTimeout,
     Router,
     ServiceStopped,
     endpoint,
@@ -96,6 +98,12 @@ class Summer(ForgeActor):
         return self.shapes
 
 
+async def every_rank(replica, endpoint: str) -> list:
+    """Every rank's answer, in rank order, through Monarch's own adverb on the replica's actor mesh."""
+    values = await asyncio.wait_for(getattr(replica.actor_mesh, endpoint).call(), 30)
+    return list(values.values())
+
+
 @pytest.fixture(scope="module")
 async def counter_service():
     svc = await Counter.options(num_replicas=2, router="key_affinity").as_service(scale=2)
@@ -106,7 +114,7 @@ async def counter_service():
 async def test_singletons_are_prebatched_into_one_message_per_batch():
     svc = await Counter.options(num_replicas=1).as_service(scale=3)
     try:
-        out = await asyncio.gather(*(svc.score.route(i) for i in range(24)))
+        out = await bounded(asyncio.gather(*(svc.score.route(i) for i in range(24))), "24 prebatched results", 10)
         assert out == [3 * i for i in range(24)]
         stats = await svc.stats.route()
         assert stats["ready"] is True  # setup ran before traffic
@@ -126,7 +134,7 @@ async def test_burst_is_queued_at_call_time_and_full_batches_go_out_at_once():
         replica = svc.service.replicas[0]
         assert replica.in_flight == 20
         assert replica.batchers["score"].queued == 4  # 2 full batches are on their way
-        assert await asyncio.gather(*calls) == list(range(20))
+        assert await bounded(asyncio.gather(*calls), "the burst's results", 10) == list(range(20))
         assert (await svc.stats.route())["batch_sizes"] == [8, 8, 4]
         task = asyncio.create_task(svc.score.route(5))  # route() still gives a coroutine
         assert await task == 5
@@ -192,6 +200,29 @@ async def test_equal_keys_meet_on_one_replica_and_batch_together(counter_service
     assert sorted(new.values(), key=len) == [[], [8]]  # one replica, one batch of 8
 
 
+async def test_the_key_routes_and_the_batch_key_picks_the_queue(counter_service):
+    """One routing key, two batch keys: one replica, one batch per batch key. Eight routing keys
+    held on one replica by a session, no batch key: one shared batch."""
+    svc = counter_service
+    before = {s["pid"]: len(s["batch_sizes"]) for s in await svc.stats.fanout()}
+    await asyncio.gather(*(svc.score.route(i, key="prompt-3", batch_key=i % 2) for i in range(8)))
+    after = {s["pid"]: s["batch_sizes"] for s in await svc.stats.fanout()}
+    assert sorted(sizes[before[pid] :] for pid, sizes in after.items()) == [[], [4, 4]]
+    async with svc.session():
+        await svc.stats.route()  # pins the session
+        before = {s["pid"]: len(s["batch_sizes"]) for s in await svc.stats.fanout()}
+        await asyncio.gather(*(svc.score.route(i, key=f"prompt-{i}") for i in range(8)))
+    after = {s["pid"]: s["batch_sizes"] for s in await svc.stats.fanout()}
+    assert sorted(sizes[before[pid] :] for pid, sizes in after.items()) == [[], [8]]
+
+
+async def test_batch_key_on_a_plain_endpoint_is_a_clear_error(counter_service):
+    with pytest.raises(TypeError, match=r"Counter.add is not batched: batch_key= .* \(got batch_key='b'\)"):
+        await counter_service.add.route([1], batch_key="b")
+    with pytest.raises(ValueError, match="2 batch_keys for 3 items"):
+        await counter_service.score.route_many([1, 2, 3], batch_keys=["a", "b"])
+
+
 async def test_session_sticks_to_one_replica(counter_service):
     """Keys that key_affinity spreads over both replicas all go to one inside a session."""
     keys = [f"session-key-{i}" for i in range(6)]
@@ -226,10 +257,7 @@ async def test_gpus_are_split_across_replicas(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     svc = await Counter.options(num_replicas=2, procs=2, with_gpus=True).as_service()
     try:
-        seen = []
-        for replica in svc.service.replicas:
-            ranks = await replica.broadcast_call("stats", (), {}, 30)
-            seen.append([r["cuda"] for r in ranks])
+        seen = [[r["cuda"] for r in await every_rank(replica, "stats")] for replica in svc.service.replicas]
         assert seen == [["4", "5"], ["6", "7"]]
     finally:
         await svc.shutdown()
@@ -246,7 +274,7 @@ async def test_multi_proc_replica_runs_on_every_rank_and_returns_rank_zero():
     try:
         assert (await svc.stats.route())["rank"] == 0
         await asyncio.gather(*(svc.score.route(i) for i in range(8)))
-        ranks = await svc.service.replicas[0].broadcast_call("stats", (), {}, 30)
+        ranks = await every_rank(svc.service.replicas[0], "stats")
         assert [r["batch_sizes"] for r in ranks] == [[8], [8]]  # every rank ran the batch
     finally:
         await svc.shutdown()
@@ -275,13 +303,38 @@ async def test_plain_actor_mesh_supports_monarch_adverbs():
 
 async def test_shutdown_fails_queued_requests_and_later_calls():
     svc = await Counter.options(num_replicas=1).as_service()
-    pending = asyncio.ensure_future(svc.score.route(1))  # waits up to 0.2 s for company
-    await asyncio.sleep(0.01)
+    pending = asyncio.ensure_future(svc.score.route(1))  # queued at once; waits up to 0.2 s for company
+    await settle()
+    assert svc.service.replicas[0].batchers["score"].queued == 1
     await svc.shutdown()
     with pytest.raises(ServiceStopped):
-        await pending
+        await bounded(pending, "ServiceStopped for an item queued at shutdown")
     with pytest.raises(ServiceStopped):
         await svc.score.route(2)
+
+
+async def test_callers_that_leave_before_their_batch_runs_never_reach_the_endpoint():
+    """Through a real service: callers that time out, or are cancelled, while their items wait
+    for company leave nothing behind; the actor's endpoint never runs for them, and the service
+    serves the next caller in a batch of its own."""
+    svc = await Counter.options(num_replicas=1).as_service()  # score waits up to 0.2 s for company
+    try:
+        batcher = svc.service.replicas[0].batchers["score"]
+        calls = asyncio.gather(*(svc.score.route(i, timeout=0.01) for i in range(3)), return_exceptions=True)
+        timed_out = await bounded(calls, "the callers' own timeouts")
+        assert all(isinstance(e, RequestTimeout) for e in timed_out)
+        cancelled = [asyncio.ensure_future(svc.score.route(i)) for i in range(3, 6)]
+        await settle()  # each caller awaits its queued item
+        for task in cancelled:
+            task.cancel()
+        await asyncio.gather(*cancelled, return_exceptions=True)
+        assert await bounded(svc.score.route(7), "the next caller's result") == 7
+        assert (await svc.stats.route())["batch_sizes"] == [1]  # one message, holding only the last caller
+        assert batcher.queued == 0 and batcher.keys == []
+        score = svc.metrics()["endpoints"]["score"]
+        assert (score["requests"], score["batches"], score["in_flight"]) == (7, 1, 0)
+    finally:
+        await svc.shutdown()
 
 
 async def test_bad_calls_are_named_at_the_call_site(counter_service):

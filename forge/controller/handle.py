@@ -1,0 +1,120 @@
+"""The handle a caller holds: ``ServiceInterface`` (``svc``) and one ``EndpointHandle`` per endpoint.
+
+A narrow facade over the engine (``forge.controller.service.Service``)::
+
+    y = await svc.score.route(5, key="prompt-17")      # one request; key routes
+    ys = await svc.score.route_many([1, 2, 3])         # one request per item, results in order
+    rs = await svc.ping.fanout()                       # one result per healthy replica
+    async with svc.session(): ...                      # calls inside stick to one replica
+    svc.metrics(); await svc.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
+from typing import Any
+
+from forge.controller.service import Service
+
+
+class EndpointHandle:
+    """``svc.<endpoint>``: the ways to call one endpoint of a service."""
+
+    def __init__(self, service: Service, name: str) -> None:
+        self._service = service
+        self._name = name
+        self._spec = service.endpoints[name]
+
+    def route(
+        self,
+        *args: Any,
+        key: Hashable = None,
+        batch_key: Hashable = None,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> Coroutine[Any, Any, Any]:
+        """One request to one replica chosen by the endpoint's router; await it for the result.
+
+        For a batched endpoint pass exactly one item; it is prebatched with others and you get
+        its own result back. The item is queued the moment ``route`` is called (as a message is
+        sent when you send it), so a burst of calls fills batches before any caller runs.
+
+        ``key`` routes: the similarity key of ``key_affinity``, the session of ``sticky``.
+        ``batch_key`` (batched endpoints) picks the batch queue on the replica: only items of
+        equal batch keys share a batch. Without it the endpoint's ``Batching(key=fn)`` decides,
+        and without that every item shares one queue. A multiplexed endpoint takes
+        ``model_id=`` instead of both: the model that must serve the item routes it and is its
+        batch queue.
+        """
+        return self._service.submit(self._name, args, kwargs, key, batch_key, timeout)
+
+    async def route_many(
+        self,
+        items: Sequence[Any],
+        *,
+        keys: Sequence[Hashable] | None = None,
+        batch_keys: Sequence[Hashable] | None = None,
+        timeout: float | None = None,
+        model_id: Hashable = None,
+    ) -> list[Any]:
+        """Route each item as its own request, concurrently; results in the items' order.
+        ``keys``/``batch_keys``: one per item, as ``route``'s ``key``/``batch_key``.
+        ``model_id``: the model of every item, for a multiplexed endpoint."""
+        for name, given in (("keys", keys), ("batch_keys", batch_keys)):
+            if given is not None and len(given) != len(items):
+                raise ValueError(f"route_many: {len(given)} {name} for {len(items)} items; give one per item")
+        keys = keys if keys is not None else [None] * len(items)
+        batch_keys = batch_keys if batch_keys is not None else [None] * len(items)
+        extra = {"model_id": model_id} if model_id is not None else {}
+        calls = (
+            self.route(item, key=k, batch_key=b, timeout=timeout, **extra)
+            for item, k, b in zip(items, keys, batch_keys)
+        )
+        return list(await asyncio.gather(*calls))
+
+    async def fanout(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """The same request to every healthy replica; one result per replica."""
+        return await self._service.fanout(self._name, args, kwargs, timeout)
+
+    def __repr__(self) -> str:
+        kind = " (multiplexed)" if self._spec.multiplexed else " (batched)" if self._spec.batched else ""
+        return f"<endpoint {self._service.actor_cls.__name__}.{self._name}{kind}>"
+
+
+class ServiceInterface:
+    """The handle a caller holds: ``svc.<endpoint>.route(...)``, ``session()``, ``metrics()``, ``shutdown()``."""
+
+    def __init__(self, service: Service) -> None:
+        self._service = service
+        self._handles = {name: EndpointHandle(service, name) for name in service.endpoints}
+
+    def __getattr__(self, name: str) -> EndpointHandle:
+        handles = self.__dict__.get("_handles", {})
+        if name in handles:
+            return handles[name]
+        raise AttributeError(
+            f"{self._service.actor_cls.__name__} service has no endpoint {name!r}; endpoints: {sorted(handles)}"
+        )
+
+    def session(self, session_id: str | None = None) -> contextlib.AbstractAsyncContextManager[str]:
+        return self._service.session(session_id)
+
+    def metrics(self) -> dict[str, Any]:
+        return self._service.metrics()
+
+    def set_resync(self, resync: Callable[[Any], Awaitable[None]] | None) -> None:
+        """See ``Service.set_resync``: the step a restarted replica runs before taking traffic."""
+        self._service.set_resync(resync)
+
+    @property
+    def service(self) -> Service:
+        return self._service
+
+    async def shutdown(self) -> None:
+        await self._service.shutdown()
+
+    def __repr__(self) -> str:
+        s = self._service
+        return f"<service {s.name}: {len(s.healthy_replicas())}/{len(s.replicas)} healthy>"
