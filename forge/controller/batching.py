@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from forge.checks import check_int
 from forge.controller.batch_queues import NO_KEY, KeyQueues, Pending
 from forge.controller.errors import BatchResultError, ServiceStopped
 
@@ -74,13 +75,11 @@ class Batching:
     A string names a static/class method of the actor class. Default: the result is a list."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_size, bool) or not isinstance(self.max_size, int) or self.max_size < 1:
-            raise ValueError(f"Batching.max_size must be an integer >= 1, got {self.max_size!r}")
+        check_int("Batching.max_size", self.max_size, 1)
         if isinstance(self.max_wait_s, bool) or not isinstance(self.max_wait_s, (int, float)) or self.max_wait_s < 0:
             raise ValueError(f"Batching.max_wait_s must be a number of seconds >= 0, got {self.max_wait_s!r}")
         mcb = self.max_concurrent_batches
-        if isinstance(mcb, bool) or not isinstance(mcb, int) or mcb < 1:
-            raise ValueError(f"Batching.max_concurrent_batches must be an integer >= 1, got {mcb!r}")
+        check_int("Batching.max_concurrent_batches", mcb, 1)
         for name in ("size_fn", "key"):
             value = getattr(self, name)
             if value is not None and not callable(value):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from forge.checks import check_int
 from forge.controller.hosts import HostPool
 
 JOB_KINDS = ("none", "attach", "local", "process", "slurm", "kubernetes")
@@ -52,8 +53,7 @@ class HostsConfig:
     def __post_init__(self) -> None:
         if self.job not in JOB_KINDS:
             raise ValueError(f"hosts.job must be one of {list(JOB_KINDS)}, got {self.job!r}")
-        if isinstance(self.num_hosts, bool) or not isinstance(self.num_hosts, int) or self.num_hosts < 1:
-            raise ValueError(f"hosts.num_hosts must be an integer >= 1, got {self.num_hosts!r}")
+        check_int("hosts.num_hosts", self.num_hosts, 1)
         if self.job == "attach" and not self.addresses:
             raise ValueError("hosts.job 'attach' needs hosts.addresses (e.g. ['tcp://10.0.0.7:29501'])")
         if self.job != "attach" and self.addresses:

@@ -59,6 +59,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from forge.checks import check_int
+
 LOAD_ENDPOINT = "_forge_load_model"
 """The ForgeActor endpoint a replica sends to evict models and load one."""
 _LOADER_ATTR = "_forge_model_loader"
@@ -79,8 +81,7 @@ class Multiplexing:
     evicted (e.g. to free GPU memory at once). None: the model is just dropped."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_models, bool) or not isinstance(self.max_models, int) or self.max_models < 1:
-            raise ValueError(f"model_loader(max_models=...) must be an integer >= 1, got {self.max_models!r}")
+        check_int("model_loader(max_models=...)", self.max_models, 1)
         if self.unload is not None and not isinstance(self.unload, str):
             raise TypeError(f"model_loader(unload=...) must be the name of an actor method, got {self.unload!r}")
 

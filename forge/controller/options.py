@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from forge.checks import check_int
 from forge.controller.routing import Router, make_router
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"options({name}=...) must be an integer >= {minimum}, got {value!r}")
+    check_int(f"options({name}=...)", value, minimum)
 
 
 def _check_timeout(name: str, value: Any) -> None:

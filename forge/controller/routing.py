@@ -42,6 +42,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from forge.checks import check_int
+
 
 class ReplicaView(Protocol):
     """What a router may look at: identity, load and whether a key's batch is forming."""
@@ -125,8 +127,7 @@ class Pins:
     """
 
     def __init__(self, max_names: int = 100_000) -> None:
-        if isinstance(max_names, bool) or not isinstance(max_names, int) or max_names < 1:
-            raise ValueError(f"Pins max_names must be an integer >= 1, got {max_names!r}")
+        check_int("Pins max_names", max_names, 1)
         self.max_names = max_names
         self.spills = 0
         self._pins: collections.OrderedDict[Hashable, int] = collections.OrderedDict()

@@ -18,6 +18,7 @@ import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from forge.checks import check_int
 from forge.controller import KeyAffinity, Router
 from forge.controller.routing import Pins, ReplicaView, RouteRequest, least_loaded_of_two, rendezvous_score
 
@@ -62,8 +63,7 @@ class SessionAffinity(KeyAffinity):
         self, load_factor: float = 1.5, slack: int = 2, max_sessions: int = 100_000, seed: int | None = None
     ) -> None:
         super().__init__(load_factor=load_factor, slack=slack, batch_aware=False, seed=seed)
-        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
-            raise ValueError(f"SessionAffinity max_sessions must be an integer >= 1, got {max_sessions!r}")
+        check_int("SessionAffinity max_sessions", max_sessions, 1)
         self.sessions = Pins(max_sessions)
         self.groups = Pins(max_sessions)
 

@@ -192,8 +192,7 @@ def first_fit_rows(lengths: Sequence[int], row_tokens: int = 0) -> tuple[list[in
     """First-fit decreasing of sequence ``lengths`` into rows of ``row_tokens`` (at least the
     longest sequence; 0: ``PACK_ROW_FACTOR`` times it): each sequence's row and offset, the
     number of rows and their length."""
-    if isinstance(row_tokens, bool) or not isinstance(row_tokens, int) or row_tokens < 0:
-        raise ValueError(f"row_tokens must be an integer >= 0 (0: {PACK_ROW_FACTOR}x the longest), got {row_tokens!r}")
+    check_int(f"row_tokens (0: {PACK_ROW_FACTOR}x the longest)", row_tokens, 0)
     longest = max(max(lengths, default=1), 1)
     capacity = max(longest, row_tokens or PACK_ROW_FACTOR * longest)
     room: list[int] = []
