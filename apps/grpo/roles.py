@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,11 +132,14 @@ async def start_role(
         "gpus_per_proc": section.gpus_per_proc,
         **spec.options,
     }
+    t0 = time.perf_counter()
     if not spec.service:
-        return await spec.actor_cls.options(**options).as_actor(spec.arg)
-    return await spec.actor_cls.options(num_replicas=section.num_replicas, **options, **service_options).as_service(
-        spec.arg
-    )
+        handle = await spec.actor_cls.options(**options).as_actor(spec.arg)
+    else:
+        launcher = spec.actor_cls.options(num_replicas=section.num_replicas, **options, **service_options)
+        handle = await launcher.as_service(spec.arg)
+    logger.info("role %s started in %.1fs", spec.name, time.perf_counter() - t0)
+    return handle
 
 
 async def start_all(roles: Any, starts: dict[str, Any]) -> None:
