@@ -4,13 +4,12 @@ and a one-line summary."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from apps.common.step_log import wandb_options
+from apps.common.step_log import StepLog
 from apps.grpo.roles import RoleFailed, Roles, call_role
 
 if TYPE_CHECKING:
@@ -28,29 +27,16 @@ class RunLog:
         """``resume_after``: the checkpoint's step when resuming; the earlier steps' rows are
         kept (and count in the summary), later ones dropped. None starts a fresh record.
         ``started``: the run's start (``time.perf_counter``), from which each row's ``wall_s`` counts."""
-        from forge.observability import MetricAggregator, make_sinks
+        from forge.observability import MetricAggregator
 
         self.cfg = cfg
         self.started = time.perf_counter() if started is None else started
-        self.out = Path(cfg.logging.output_dir)
         self.aggregator = MetricAggregator()
-        self.sinks = make_sinks(list(cfg.logging.sinks), self.out, resume_after, wandb=wandb_options(cfg))
-        if "console" in cfg.logging.sinks:
-            logging.getLogger("forge.metrics").setLevel(logging.INFO)
-        self.metrics_path = self.out / "metrics.jsonl"
+        self.log = StepLog(cfg, terminal, cfg.steps, resume_after, desc="grpo")
+        self.metrics_path = self.log.metrics_path
+        self.rows = self.log.rows  # the same list: every written row, the resumed run's first
         self.resume_after = resume_after
         self._drain: asyncio.Task | None = None
-        self.rows: list[dict[str, float]] = []
-        if resume_after is not None:
-            self.rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines()]
-        self.bar = None
-        self.last_eval: float | None = None
-        if cfg.logging.progress_bar:
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=cfg.steps, initial=len(self.rows), desc="grpo", unit="step", file=terminal, dynamic_ncols=True
-            )
 
     async def step(self, step: int, metrics: dict[str, float], roles: Roles) -> None:
         """Log one step: ``metrics``, what the services recorded and each service's restarts
@@ -81,20 +67,7 @@ class RunLog:
             self.aggregator.record(f"retried/{role}", float(totals["retried"]), "last")
         self.aggregator.record("wall_s", time.perf_counter() - self.started, "last")  # since the run started
         row = self.aggregator.flush(step)
-        self.rows.append(row)
-        for sink in self.sinks:
-            sink.log(step, row)
-        if self.bar is not None:
-            if "eval/accuracy" in row:
-                self.last_eval = row["eval/accuracy"]
-            self.bar.set_postfix(
-                reward=f"{row['reward_mean']:.3f}",
-                loss=f"{row['loss']:.4f}",
-                step_s=f"{row['step_time_s']:.2f}",
-                **({} if self.last_eval is None else {"eval_acc": f"{self.last_eval:.3f}"}),
-                refresh=False,
-            )
-            self.bar.update(1)
+        self.log.write(step, row, show=("reward_mean", "loss", "step_time_s", "eval/accuracy"))
 
     @staticmethod
     async def _drain_services(roles: Roles) -> list[list[Any]]:
@@ -121,23 +94,12 @@ class RunLog:
         if self._drain is not None:
             self._drain.cancel()  # the run ended early: its records are not logged
             self._drain = None
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        for sink in self.sinks:
-            sink.close()
-        self.sinks = []
+        self.log.close()
 
     def plot(self) -> Path | None:
-        if not self.rows or not self.cfg.logging.plot:
-            return None
-        from forge.observability import plot_run
-
-        return plot_run(
-            self.metrics_path,
-            self.out / "reward_loss.png",
-            keys=("reward_mean", "loss", "kl"),
-            beside={"reward_mean": ["eval/accuracy"]},  # held-out accuracy next to the training reward
+        # The held-out accuracy is drawn next to the training reward.
+        return self.log.plot(
+            "reward_loss.png", ("reward_mean", "loss", "kl"), beside={"reward_mean": ["eval/accuracy"]}
         )
 
     def eval_summary(self) -> str:
