@@ -229,7 +229,11 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
     import multiprocessing
 
     model_path = prepare_model(cfg)
+    # Both transports are measured: the roles start as the file transport's (with the run's
+    # weight folder, which its policy alone loads from), then run the configured one.
+    configured, cfg.weight_sync.transport = cfg.weight_sync.transport, "file"
     roles = await start_roles(cfg, model_path)
+    cfg.weight_sync.transport = configured
     p = cfg.policy
     bare = None
     try:

@@ -4,6 +4,10 @@ Every field is documented where it is defined. ``forge.config.load_config`` chec
 and the command-line overrides against ``GRPOConfig``: an unknown key, a wrong type or a missing
 required value is an error naming the full key path (e.g. ``trainer.lr``). Cross-field rules
 live in ``__post_init__``.
+
+A config is code: the ``module:attr`` names in ``reward.fns``, ``data.source`` and ``env.cls`` are
+imported and run, with the user's rights, in the controller and the role processes. Run only
+configs you would run as scripts (README, "What forge trusts").
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ class ReferenceSection(Placement):
 @dataclass(kw_only=True)
 class RewardSection(Placement):
     fns: dict[str, float] = field(default_factory=lambda: {"toy": 1.0})
-    """Reward functions (registry name or ``module:function``) and their weights."""
+    """Reward functions (registry name or ``module:function``, imported and run) and their weights."""
 
 
 @dataclass(kw_only=True)
@@ -107,7 +111,8 @@ class TrainerSection(Placement, TrainerSettings):
 class DataSection:
     source: str = "toy"
     """``toy`` (the built-in arithmetic task), ``jsonl`` (prompts read from ``path``) or
-    ``package.module:factory`` (your ``factory(seed=..., **options)`` yielding ``Prompt``s)."""
+    ``package.module:factory`` (your ``factory(seed=..., **options)`` yielding ``Prompt``s; imported
+    and run)."""
     path: str | None = None
     """JSONL file of prompts when ``source`` is ``jsonl``."""
     prompt_template: str = "{text}"
@@ -152,8 +157,18 @@ class WeightSyncSection:
     """``message``: tensors in a Monarch message via the controller; ``file``: the trainer copies
     them into one of three safetensors files it keeps under ``dir`` (same host only) and the policy
     maps that file (``forge.generation.weight_files``)."""
-    dir: str = "/dev/shm/forge-weights"
-    """Folder of the ``file`` transport."""
+    dir: str | None = None
+    """Folder the ``file`` transport's runs write in (the root); None: ``$XDG_RUNTIME_DIR/forge``
+    when that is set, else ``/dev/shm/forge-<uid>``. It must be yours, not a symlink, and not
+    writable by other users (made 0700 if missing); each run writes in a ``run-*`` folder of its
+    own inside, which its policy alone loads from and which is removed when the run ends
+    (``forge.generation.weight_folder``)."""
+
+    def root(self) -> Path:
+        """The folder ``dir`` names, or the default one (not checked or created here)."""
+        from forge.generation.weight_folder import weight_root
+
+        return weight_root(self.dir)
 
 
 @dataclass(kw_only=True)
@@ -187,8 +202,8 @@ class EnvSection(Placement):
     ``cls`` empty for single-turn rollouts (one completion per prompt, scored by ``reward``)."""
 
     cls: str = ""
-    """The environment as ``package.module:Class`` (a ``forge.envs.Environment`` subclass), e.g.
-    ``forge.envs.toy:ReverseWithFeedback``; empty: single-turn."""
+    """The environment as ``package.module:Class`` (a ``forge.envs.Environment`` subclass, imported
+    and run), e.g. ``forge.envs.toy:ReverseWithFeedback``; empty: single-turn."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor."""
     max_turns: int = 3
@@ -389,7 +404,7 @@ class GRPOConfig:
         tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
         dtype = getattr(torch, self.trainer.publish_dtype or self.trainer.dtype)
         needed = file_transport_bytes(checkpoint_spec(model_dir), dtype, tied=tied)
-        check_file_transport_space(self.weight_sync.dir, needed)
+        check_file_transport_space(self.weight_sync.root(), needed)
 
     @property
     def checkpoint_dir(self) -> str:

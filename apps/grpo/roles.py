@@ -76,6 +76,9 @@ class Roles:
     """What the policy replicas serve now (set by each weight push)."""
     host_pool: Any = None
     """The ``hosts`` section's pool (its job is killed after the roles stop); None: this host."""
+    weight_folder: Any = None
+    """The file transport's folder of this run (``forge.generation.weight_folder.RunFolder``), the
+    only one its policy loads from; removed after the roles stop. None for ``message``."""
 
     def services(self) -> dict[str, Any]:
         """Role name -> service handle, for the services that were started."""
@@ -201,6 +204,15 @@ async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
 
         env_cfg = EnvConfig(cfg.env.cls, dict(cfg.env.options), model_path, cfg.env.step_timeout_s)
         starters["env"] = functools.partial(service, "env", EnvActor, env_cfg, quiet, router=EnvSessionRouter)
+    if cfg.weight_sync.transport == "file":  # before any role starts: a folder others control stops the run here
+        from forge.generation.weight_folder import RunFolder
+
+        try:
+            roles.weight_folder = RunFolder.create(cfg.weight_sync.root())
+        except BaseException:
+            await stop_roles(roles)  # the hosts' job, if one was started
+            raise
+        policy_cfg.weights_dir = str(roles.weight_folder.path)
     results = await asyncio.gather(*(fn() for fn in starters.values()), return_exceptions=True)
     for name, result in zip(starters, results):
         if isinstance(result, BaseException):
@@ -317,6 +329,8 @@ async def stop_roles(roles: Roles, timeout_s: float = 60.0) -> None:
             roles.host_pool.close()  # a Slurm allocation is released, a ProcessJob's workers end
         except Exception as exc:
             logger.warning("the hosts' job did not stop cleanly: %s", exc)
+    if roles.weight_folder is not None:
+        roles.weight_folder.close()  # the weights in /dev/shm are memory until removed
 
 
 async def call_role(role: str, awaitable: Any) -> Any:

@@ -150,7 +150,8 @@ def group_counts(rollouts: Rollouts) -> dict[str, float]:
 async def fetch_weights(cfg: GRPOConfig, roles: Roles) -> tuple[Any, int]:
     """The trainer's current weights, as the configured transport carries them, and their version."""
     if cfg.weight_sync.transport == "file":
-        return await call_role("trainer", call_spmd(roles.trainer.publish_weights, cfg.weight_sync.dir))
+        folder = str(roles.weight_folder.path)  # the run's own (start_roles made it)
+        return await call_role("trainer", call_spmd(roles.trainer.publish_weights, folder))
     return await call_role("trainer", call_spmd(roles.trainer.weights))
 
 
