@@ -162,7 +162,7 @@ async def measure_weight_sync(
         await bare_reload()  # warm-up
     for transport in ("message", "file"):
         cfg.weight_sync.transport = transport
-        weights = PolicyWeights(roles.trainer, roles.policy, transport, cfg.weight_sync.dir, 60.0)
+        weights = PolicyWeights(roles.trainer, roles.policy, transport, roles.weights_dir, 60.0)
         await weights.sync()  # warm-up
         await _policy_update_s(roles)
         times, loads = [], []
@@ -237,8 +237,12 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
     import multiprocessing
 
     model_path = prepare_model(cfg)
+    # Both transports are measured: the roles start as the file transport's (with the run's
+    # weight folder, which its policy alone loads from), then run the configured one.
+    configured, cfg.weight_sync.transport = cfg.weight_sync.transport, "file"
     roles = await start_roles(cfg, model_path)
-    roles.weights = PolicyWeights(roles.trainer, roles.policy, cfg.weight_sync.transport, cfg.weight_sync.dir, 60.0)
+    cfg.weight_sync.transport = configured
+    roles.weights = PolicyWeights(roles.trainer, roles.policy, configured, roles.weights_dir, 60.0)
     p = cfg.policy
     bare = None
     try:

@@ -10,20 +10,33 @@ A checkpoint is a folder ``<root>/step_<N>/`` holding
 - ``trainer_state.pt``: step, policy version, every rank's RNG states, the caller's extra state
   (e.g. the dataset position), and the world size it was written by.
 
+**Loading a checkpoint runs no code from it**, although both formats are pickles: a checkpoint
+folder may come from someone else (a shared filesystem, a downloaded run). ``trainer_state.pt``
+loads with ``torch.load(weights_only=True)``: it holds tensors, numbers, strings, lists, tuples
+and dicts only, and ``save_checkpoint`` refuses ``extra`` state that would not load that way
+(checkpoints of earlier forge versions are in that form already). DCP's files are read through
+``forge.unpickling``'s allowlists. A file that needs anything else is ``UnsafeCheckpoint``,
+naming the file; nothing in it has run. A training state that a user's own script wrote with
+other types in ``extra`` (numpy values) converts once: ``python -m forge.checkpoint convert PATH``.
+
 Every rank calls ``save_checkpoint``/``load_checkpoint`` (they run collectives when the model is
-sharded). The folder is written under a temporary name and renamed into place by rank 0 when
-every shard is written, so a run killed mid-write leaves the previous checkpoint intact and never
-a half-written one; ``latest_checkpoint`` only sees complete ones. Only the newest ``keep`` are
-kept. With more than one host, ``root`` must be on a filesystem every rank shares.
+sharded). The folder is written under a temporary name (``forge.staging.staged_folder``, on rank
+0) and renamed into place by rank 0 when every shard is written, so a run killed mid-write leaves
+the previous checkpoint intact and never a half-written one; ``latest_checkpoint`` only sees
+complete ones. Only the newest ``keep`` are kept. With more than one host, ``root`` must be on a
+filesystem every rank shares.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import random
 import shutil
-import tempfile
+import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,15 +45,28 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from forge.distributed import SpmdRank, barrier, broadcast_object, gather_objects
+from forge.staging import staged_folder
+from forge.unpickling import (
+    PlainFullPlanner,
+    PlainLoadPlanner,
+    PlainReader,
+    UnsafeCheckpoint,
+    check_plain,
+    plain_load,
+    plain_values,
+)
 
 __all__ = [
     "TrainingState",
+    "UnsafeCheckpoint",
     "capture_rng",
     "checkpoint_shapes",
+    "convert_training_state",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "read_checkpoint",
+    "read_training_state",
     "restore_rng",
     "save_checkpoint",
 ]
@@ -48,6 +74,7 @@ __all__ = [
 _METADATA_FILE = ".metadata"  # DCP's, written last by its coordinator (rank 0)
 _STATE_FILE = "trainer_state.pt"
 _PREFIX = "step_"
+_STAGING_PREFIX = ".tmp_"
 _ONE_RANK = SpmdRank(0, 1, 0, "localhost", torch.device("cpu"), None)
 
 
@@ -94,6 +121,7 @@ def _quiet_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
 
+# ----------------------------------------------------------------------------- writing
 def save_checkpoint(
     root: str | os.PathLike,
     model: torch.nn.Module,
@@ -105,40 +133,47 @@ def save_checkpoint(
 ) -> Path:
     """Write ``<root>/step_<state.step>/`` atomically from every rank; return its path.
 
-    ``state.rng`` is ignored: each rank's current RNG states are captured here. One writer
-    (mesh) per ``root``: the temporary folders of earlier, killed saves are removed first.
+    ``state.rng`` is ignored: each rank's current RNG states are captured here. ``state.extra``
+    must load with ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples,
+    dicts), or the resume would refuse it: a ``TypeError`` says so before anything is written.
+    One writer (mesh) per ``root``: the temporary folders of earlier, killed saves are removed.
     """
     where = where or _ONE_RANK
     if keep < 1:
         raise ValueError(f"save_checkpoint keep must be >= 1, got {keep}")
+    extra = dict(state.extra)
+    check_plain(
+        extra, "save_checkpoint: state.extra"
+    )  # on every rank (they all hold it), so no rank is left in a collective
     root = Path(root)
     final = root / f"{_PREFIX}{state.step:08d}"
-    staging = None
-    if where.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp_*"):  # left by a save that was killed mid-write
-            shutil.rmtree(stale, ignore_errors=True)
-        staging = tempfile.mkdtemp(prefix=".tmp_", dir=root)
-    staging = Path(broadcast_object(staging, where))
-    try:
+    with _staged_on_main(final, where) as staging:
         _quiet_dcp(dcp.save, _dcp_state(model, optimizer), checkpoint_id=staging)
         rngs = gather_objects(capture_rng(), where)
         if where.is_main:
-            saved = TrainingState(state.step, state.policy_version, rngs, dict(state.extra), where.world_size)
+            saved = TrainingState(state.step, state.policy_version, rngs, extra, where.world_size)
             torch.save(saved.__dict__, staging / _STATE_FILE)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(staging, final)
-            for old in list_checkpoints(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        if where.is_main:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+    if where.is_main:
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     barrier(where)  # no rank returns before the checkpoint is in place
     return final
 
 
+@contextlib.contextmanager
+def _staged_on_main(final: Path, where: SpmdRank) -> Iterator[Path]:
+    """``staged_folder`` for a mesh: rank 0 makes it and tells every rank its name; rank 0 moves
+    it into place (or removes it on an error) when its block ends. DCP's save returns on rank 0
+    only after every rank's shards are written, so that is when the folder is complete."""
+    if not where.is_main:
+        yield Path(broadcast_object(None, where))
+        return
+    with staged_folder(final, _STAGING_PREFIX, remove_stale=True) as staging:
+        broadcast_object(str(staging), where)
+        yield staging
+
+
+# ----------------------------------------------------------------------------- finding
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first."""
     root = Path(root)
@@ -164,18 +199,39 @@ def _check_complete(path: Path) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- reading, safely
 def read_training_state(path: str | os.PathLike) -> TrainingState:
-    """The step, version, RNG states and extra state of one checkpoint (no tensors loaded)."""
+    """The step, version, RNG states and extra state of one checkpoint (no tensors loaded).
+
+    Loaded with ``weights_only=True``; a state file that needs more is ``UnsafeCheckpoint``.
+    """
     path = Path(path)
     _check_complete(path)
-    return TrainingState(**torch.load(path / _STATE_FILE, map_location="cpu", weights_only=False))
+    file = path / _STATE_FILE
+    try:
+        raw = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        names = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(str(file))) or "unknown objects"
+        raise UnsafeCheckpoint(
+            f"{file} can only be loaded by unpickling {names}, which may run any code, so forge refuses it: "
+            f"a forge training state holds only tensors, numbers, strings, lists and dicts. If you wrote this "
+            f"checkpoint yourself and trust it, convert it once: python -m forge.checkpoint convert {path}"
+        ) from None
+    try:
+        return TrainingState(**raw)
+    except TypeError:
+        keys = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+        raise ValueError(
+            f"{file} is not a forge training state: it holds {keys}, not step, policy_version, rng, extra "
+            "and world_size"
+        ) from None
 
 
 def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Global shape of every model tensor in a checkpoint, by parameter name (from DCP's metadata)."""
     path = Path(path)
     _check_complete(path)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = PlainReader(str(path)).read_metadata()
     prefix = "model."
     return {
         name[len(prefix) :]: tuple(meta.size)
@@ -196,7 +252,8 @@ def load_checkpoint(
 
     A rank restores the RNG states its own rank saved; a rank the writer did not have (1 -> 2)
     takes rank 0's. The optimizer's hyperparameters are the checkpoint's: callers that allow
-    changing them on resume set them afterwards.
+    changing them on resume set them afterwards. A file that would need unrestricted unpickling
+    is ``UnsafeCheckpoint`` (see the module docstring).
     """
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -204,7 +261,7 @@ def load_checkpoint(
     path = Path(path)
     training = read_training_state(path)
     state = _dcp_state(model, optimizer)
-    _quiet_dcp(dcp.load, state, checkpoint_id=path)
+    plain_load(path, lambda reader: _quiet_dcp(dcp.load, state, storage_reader=reader, planner=PlainLoadPlanner()))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if training.rng:
         restore_rng(training.rng[where.rank] if where.rank < len(training.rng) else training.rng[0])
@@ -217,11 +274,57 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
 
     Optimizer state is keyed by parameter name: ``optimizer["state"]["lm_head.weight"]["exp_avg"]``.
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    # DCP's own private loader, as its dcp_to_torch_save uses it, but with the restricted reader
+    # and planner and without that function's detour through a torch.save file.
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     training = read_training_state(path)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "full.pt")
-        _quiet_dcp(dcp_to_torch_save, str(path), out)
-        full = torch.load(out, map_location="cpu", weights_only=False)
+    full: dict[str, Any] = {}
+    plain_load(
+        path, lambda reader: _load_state_dict(full, storage_reader=reader, planner=PlainFullPlanner(), no_dist=True)
+    )
     return full["model"], full["optimizer"], training
+
+
+# ----------------------------------------------------------------------------- converting
+def convert_training_state(path: str | os.PathLike) -> Path:
+    """Rewrite a checkpoint's training-state file in the form ``read_training_state`` loads.
+
+    For a checkpoint you trust: this loads the file with unrestricted unpickling (it may run
+    code in it), turns numpy values into Python numbers and tensors, and replaces the file
+    atomically. Anything else that ``weights_only=True`` cannot load is a ``TypeError`` naming
+    the entry, and the file is left as it was. Returns the file's path.
+    """
+    path = Path(path)
+    _check_complete(path)
+    file = path / _STATE_FILE
+    raw = torch.load(file, map_location="cpu", weights_only=False)  # trusted by the caller
+    if not isinstance(raw, dict):
+        raise TypeError(f"{file} holds a {type(raw).__name__}, not a forge training state (a dict)")
+    plain = {key: plain_values(value, key) for key, value in raw.items()}
+    TrainingState(**plain)  # the fields a resume needs
+    check_plain(plain, str(file))
+    staged = file.with_name(f"{_STATE_FILE}.converting")
+    torch.save(plain, staged)
+    os.replace(staged, file)
+    return file
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m forge.checkpoint",
+        description="Convert a checkpoint you trust whose training state needs unrestricted unpickling.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    convert = commands.add_parser("convert", help="rewrite <checkpoint>/trainer_state.pt in the loadable form")
+    convert.add_argument("path", help="a checkpoint folder, <output_dir>/checkpoints/step_<N>")
+    args = parser.parse_args(argv)
+    file = convert_training_state(args.path)
+    print(f"converted {file}; it now loads with weights_only=True")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,8 +1,8 @@
 """Folders written all at once: readers see the old folder or the complete new one, never half.
 
 A killed writer (a trainer SIGKILLed mid-checkpoint, a tiny model interrupted while being made)
-must not leave a folder that looks finished. Both write into a fresh folder beside the target
-and move it into place only when every file is written.
+must not leave a folder that looks finished. Each writes into a fresh folder beside the target
+and moves it into place only when every file is written.
 """
 
 from __future__ import annotations
@@ -18,13 +18,20 @@ __all__ = ["staged_folder"]
 
 
 @contextlib.contextmanager
-def staged_folder(final: Path, prefix: str) -> Iterator[Path]:
+def staged_folder(final: Path, prefix: str, *, remove_stale: bool = False) -> Iterator[Path]:
     """Yield an empty folder beside ``final`` (named ``<prefix>...``) to write into.
 
     When the block ends without an error it replaces ``final`` (an old ``final`` is removed
     first); when the block raises it is removed and ``final`` is left as it was.
+
+    ``remove_stale`` first removes the ``<prefix>*`` folders that writers killed mid-write left
+    beside ``final``; only for a parent folder that one writer owns (checkpoints), since it
+    would also remove a concurrent writer's folder.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
+    if remove_stale:
+        for stale in final.parent.glob(f"{prefix}*"):
+            shutil.rmtree(stale, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
     try:
         yield staging

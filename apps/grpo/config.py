@@ -4,6 +4,10 @@ Every field is documented where it is defined. ``forge.config.load_config`` chec
 and the command-line overrides against ``GRPOConfig``: an unknown key, a wrong type or a missing
 required value is an error naming the full key path (e.g. ``trainer.lr``). Cross-field rules
 live in ``__post_init__``.
+
+A config is code: the ``module:attr`` names in ``reward.fns``, ``data.source`` and ``env.cls`` are
+imported and run, with the user's rights, in the controller and the role processes. Run only
+configs you would run as scripts (README, "What forge trusts").
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ class ReferenceSection(Placement):
 @dataclass(kw_only=True)
 class RewardSection(Placement):
     fns: dict[str, float] = field(default_factory=lambda: {"toy": 1.0})
-    """Reward functions (registry name or ``module:function``) and their weights."""
+    """Reward functions (registry name or ``module:function``, imported and run) and their weights."""
 
 
 @dataclass(kw_only=True)
@@ -121,7 +125,8 @@ class DataSection(RecordsSection):
 
     source: str = "toy"
     """``toy`` (the built-in digit-reversal task), ``dataset`` (records from ``path``) or
-    ``package.module:factory`` (your ``factory(seed=..., **options)`` yielding ``Prompt``s)."""
+    ``package.module:factory`` (your ``factory(seed=..., **options)`` yielding ``Prompt``s; imported
+    and run)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the toy task (e.g. ``min_digits``) or of your factory."""
 
@@ -172,8 +177,18 @@ class WeightSyncSection:
     """``message``: tensors in a Monarch message via the controller; ``file``: the trainer copies
     them into one of three safetensors files it keeps under ``dir`` (same host only) and the policy
     maps that file (``forge.generation.weight_files``)."""
-    dir: str = "/dev/shm/forge-weights"
-    """Folder of the ``file`` transport."""
+    dir: str | None = None
+    """Folder the ``file`` transport's runs write in (the root); None: ``$XDG_RUNTIME_DIR/forge``
+    when that is set, else ``/dev/shm/forge-<uid>``. It must be yours, not a symlink, and not
+    writable by other users (made 0700 if missing); each run writes in a ``run-*`` folder of its
+    own inside, which its policy alone loads from and which is removed when the run ends
+    (``forge.generation.weight_folder``)."""
+
+    def root(self) -> Path:
+        """The folder ``dir`` names, or the default one (not checked or created here)."""
+        from forge.generation.weight_folder import weight_root
+
+        return weight_root(self.dir)
 
 
 @dataclass(kw_only=True)
@@ -207,8 +222,8 @@ class EnvSection(Placement):
     ``cls`` empty for single-turn rollouts (one completion per prompt, scored by ``reward``)."""
 
     cls: str = ""
-    """The environment as ``package.module:Class`` (a ``forge.envs.Environment`` subclass), e.g.
-    ``forge.envs.toy:ReverseWithFeedback``; empty: single-turn."""
+    """The environment as ``package.module:Class`` (a ``forge.envs.Environment`` subclass, imported
+    and run), e.g. ``forge.envs.toy:ReverseWithFeedback``; empty: single-turn."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor."""
     max_turns: int = 3
@@ -432,7 +447,7 @@ class GRPOConfig:
 
 
 def check_weight_sync_space(weight_sync: WeightSyncSection, trainer: Any, model_dir: str | Path) -> None:
-    """With the file transport, fail now unless ``weight_sync.dir`` has room for what the trainer
+    """With the file transport, fail now unless the weight folder has room for what the trainer
     will keep there: three copies of the model's weights in ``trainer.publish_dtype`` (a 64 MB
     container ``/dev/shm`` against ~11 GB for Qwen3-1.7B in bf16). A no-op for ``message``."""
     if weight_sync.transport != "file":
@@ -446,4 +461,4 @@ def check_weight_sync_space(weight_sync: WeightSyncSection, trainer: Any, model_
     tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
     dtype = getattr(torch, trainer.publish_dtype or trainer.dtype)
     needed = file_transport_bytes(checkpoint_spec(model_dir), dtype, tied=tied)
-    check_file_transport_space(weight_sync.dir, needed)
+    check_file_transport_space(weight_sync.root(), needed)

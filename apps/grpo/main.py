@@ -97,7 +97,9 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
     try:
         roles = await start_roles(cfg, model_path)
         w = cfg.weight_sync
-        roles.weights = PolicyWeights(roles.trainer, roles.policy, w.transport, w.dir, cfg.faults.max_unhealthy_s)
+        roles.weights = PolicyWeights(
+            roles.trainer, roles.policy, w.transport, roles.weights_dir, cfg.faults.max_unhealthy_s
+        )
         # A restarted policy replica loads the weights the others serve before it takes traffic.
         roles.policy.set_resync(roles.weights.resync)
         await watch.watch_actor("trainer", roles.trainer)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from forge.actors.trainer import TrainerConfig
     from forge.controller import HostPool, ServiceInterface
     from forge.data.datasets import DataSource
+    from forge.generation.weight_folder import RunFolder
 
 logger = logging.getLogger("forge.grpo")
 
@@ -52,6 +53,17 @@ class Roles:
     """The trainer -> policy weight sync, and what the policy replicas serve now."""
     host_pool: HostPool | None = None
     """The ``hosts`` section's pool (its job is killed after the roles stop); None: this host."""
+    weight_folder: RunFolder | None = None
+    """The file transport's folder of this run (``forge.generation.weight_folder``), the only one
+    its policy loads from; removed after the roles stop. None for ``message``."""
+    weight_folder: Any = None
+    """The file transport's folder of this run (``forge.generation.weight_folder.RunFolder``), the
+    only one its policy loads from; removed after the roles stop. None for ``message``."""
+
+    @property
+    def weights_dir(self) -> str | None:
+        """The run's weight folder (the file transport's), or None."""
+        return None if self.weight_folder is None else str(self.weight_folder.path)
 
     def services(self) -> dict[str, ServiceInterface]:
         """Role name -> service handle, for the services that were started."""
@@ -78,8 +90,9 @@ class RoleSpec:
     """More ``ActorOptions`` (routers)."""
 
 
-def role_specs(cfg: GRPOConfig, model_path: str) -> list[RoleSpec]:
-    """The GRPO run's remote roles: the policy, reference, reward (and env) services and the trainer."""
+def role_specs(cfg: GRPOConfig, model_path: str, weights_dir: str | None = None) -> list[RoleSpec]:
+    """The GRPO run's remote roles: the policy, reference, reward (and env) services and the
+    trainer. ``weights_dir``: the run's weight folder, the only one its policy loads files from."""
     from forge.actors import ReferenceConfig, ReferenceModel, RewardActor, Trainer
     from forge.envs import SessionAffinity
 
@@ -92,7 +105,9 @@ def role_specs(cfg: GRPOConfig, model_path: str) -> list[RoleSpec]:
     )
     routers = {"endpoint_routers": {"generate": "key_affinity", "generate_turn": SessionAffinity}}
     specs = [
-        RoleSpec("policy", Policy, policy_config(cfg, model_path, cfg.group_size), POLICY_ENV, options=routers),
+        RoleSpec(
+            "policy", Policy, policy_config(cfg, model_path, cfg.group_size, weights_dir), POLICY_ENV, options=routers
+        ),
         RoleSpec("reference", ReferenceModel, reference, QUIET_ENV, options={"router": "least_loaded"}),
         RoleSpec("reward", RewardActor, dict(cfg.reward.fns), QUIET_ENV, options={"router": "least_loaded"}),
         RoleSpec("trainer", Trainer, trainer_config(cfg, model_path), QUIET_ENV, service=False),
@@ -105,12 +120,17 @@ def role_specs(cfg: GRPOConfig, model_path: str) -> list[RoleSpec]:
     return specs
 
 
-def policy_config(cfg: Any, model_path: str, group_size: int) -> PolicyConfig:
-    """The policy's ``PolicyConfig``: the ``policy`` section's settings and the run's model and seed."""
+def policy_config(cfg: Any, model_path: str, group_size: int, weights_dir: str | None = None) -> PolicyConfig:
+    """The policy's ``PolicyConfig``: the ``policy`` section's settings and the run's model, seed
+    and weight folder (the only one it loads files from; None: any path)."""
     from forge.actors import PolicyConfig, PolicySettings
 
     policy = PolicyConfig(
-        **settings(cfg.policy, PolicySettings), model_path=model_path, group_size=group_size, seed=cfg.seed
+        **settings(cfg.policy, PolicySettings),
+        model_path=model_path,
+        group_size=group_size,
+        seed=cfg.seed,
+        weights_dir=weights_dir,
     )
     policy.engine_kwargs = {"use_tqdm_on_load": False, **cfg.policy.engine_kwargs}
     return policy
@@ -160,6 +180,7 @@ async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
     """Start every role concurrently (the remote ones from ``role_specs``, the buffer and the
     dataset in this process); if one fails to start, stop the others and raise."""
     roles = Roles()
+    await open_weight_folder(cfg, roles)
     if cfg.hosts.job != "none":
         from forge.controller.jobs import host_pool_from
 
@@ -167,11 +188,20 @@ async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
     gpus = assign_gpus(cfg)
     starts: dict[str, Any] = {
         spec.name: start_role(spec, cfg, gpus, roles.host_pool, **fault_options(cfg))
-        for spec in role_specs(cfg, model_path)
+        for spec in role_specs(cfg, model_path, roles.weights_dir)
     }
     starts["local"] = start_local(cfg, model_path, roles)
     await start_all(roles, starts)
     return roles
+
+
+async def open_weight_folder(cfg: Any, roles: Roles) -> None:
+    """With the file transport, the run's own weight folder under ``weight_sync.dir``, before any
+    role starts: a folder that others control stops the run here, naming it."""
+    if cfg.weight_sync.transport == "file":
+        from forge.generation.weight_folder import RunFolder
+
+        roles.weight_folder = RunFolder.create(cfg.weight_sync.root())
 
 
 async def start_local(cfg: GRPOConfig, model_path: str, roles: Roles) -> None:
@@ -313,6 +343,11 @@ async def stop_roles(roles: Roles, timeout_s: float = 60.0) -> None:
             roles.host_pool.close()  # a Slurm allocation is released, a ProcessJob's workers end
         except Exception as exc:
             logger.warning("the hosts' job did not stop cleanly: %s", exc)
+    if roles.weight_folder is not None:
+        roles.weight_folder.close()  # the weights in /dev/shm are memory until removed
+        roles.weight_folder = None
+    if roles.weight_folder is not None:
+        roles.weight_folder.close()  # the weights in /dev/shm are memory until removed
 
 
 def prepare_model(cfg: GRPOConfig) -> str:

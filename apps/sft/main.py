@@ -46,6 +46,7 @@ from apps.grpo.roles import (
     Roles,
     RoleSpec,
     assign_gpus,
+    open_weight_folder,
     policy_config,
     prepare_data,
     records_source,
@@ -68,7 +69,7 @@ logger = logging.getLogger("forge.sft")
 SFT_ROLES = ("policy", "trainer")
 
 
-def role_specs(cfg: SFTConfig, model_path: str) -> list[RoleSpec]:
+def role_specs(cfg: SFTConfig, model_path: str, weights_dir: str | None = None) -> list[RoleSpec]:
     """The trainer actor, and the policy service that samples held-out prompts (``eval.generate``)."""
     from forge.actors import Trainer, TrainerConfig
     from forge.actors.trainer import OptimizerSettings
@@ -83,24 +84,31 @@ def role_specs(cfg: SFTConfig, model_path: str) -> list[RoleSpec]:
     )
     specs = [RoleSpec("trainer", Trainer, trainer, QUIET_ENV, service=False)]
     if cfg.eval.generate:
-        specs.append(RoleSpec("policy", Policy, policy_config(cfg, model_path, group_size=1), POLICY_ENV))
+        policy = policy_config(cfg, model_path, group_size=1, weights_dir=weights_dir)
+        specs.append(RoleSpec("policy", Policy, policy, POLICY_ENV))
     return specs
 
 
 async def start_roles(cfg: SFTConfig, model_path: str) -> Roles:
     """Start the roles concurrently; if one fails, stop the other and raise naming it."""
     roles = Roles()
+    if cfg.eval.generate:
+        await open_weight_folder(cfg, roles)
     if cfg.hosts.job != "none":
         from forge.controller.jobs import host_pool_from
 
         roles.host_pool = host_pool_from(cfg.hosts)
     gpus = assign_gpus(cfg, roles=SFT_ROLES)
     await start_all(
-        roles, {spec.name: start_role(spec, cfg, gpus, roles.host_pool) for spec in role_specs(cfg, model_path)}
+        roles,
+        {
+            spec.name: start_role(spec, cfg, gpus, roles.host_pool)
+            for spec in role_specs(cfg, model_path, roles.weights_dir)
+        },
     )
     if roles.policy is not None:
         w = cfg.weight_sync
-        roles.weights = PolicyWeights(roles.trainer, roles.policy, w.transport, w.dir, resync_timeout_s=300.0)
+        roles.weights = PolicyWeights(roles.trainer, roles.policy, w.transport, roles.weights_dir, 300.0)
         roles.policy.set_resync(roles.weights.resync)  # a restarted replica loads the served weights
     return roles
 
@@ -236,7 +244,7 @@ def eval_plan(cfg: SFTConfig, model_path: str) -> EvalPlan | None:
 
 def prepare_model(cfg: SFTConfig) -> str:
     """The checkpoint folder (the tiny model is made there if the config asks for it); with the
-    file transport, checks that ``weight_sync.dir`` has room for the weights first."""
+    file transport, checks that the weight folder has room for the weights first."""
     from apps.grpo.roles import make_model
 
     path = make_model(cfg.model)

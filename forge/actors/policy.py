@@ -95,6 +95,9 @@ class PolicyConfig(PolicySettings):
     """Completions sampled per prompt (GRPO's G)."""
     seed: int = 0
     """Seed of the engine's sampler."""
+    weights_dir: str | None = None
+    """The only folder ``update_weights`` loads weight files from (the GRPO app's run folder): a
+    path outside it, or a file of another user, is refused. None: any safetensors path."""
 
 
 def prompt_key(prompt: Prompt) -> str:
@@ -324,12 +327,17 @@ class Policy(ForgeActor):
 
         ``state_dict`` may also be the path of a safetensors file (e.g. in ``/dev/shm``) that
         the trainer wrote, which saves a copy through the message layer; a file the trainer has
-        reused for a newer version since fails with ``StaleWeightFile``. Returns ``version``.
+        reused for a newer version since fails with ``StaleWeightFile``. With
+        ``PolicyConfig.weights_dir`` set, a path outside that folder is ``UnsafeWeightFolder``:
+        the policy serves only what its own run's trainer wrote. Returns ``version``.
         """
         t0 = time.perf_counter()
         if isinstance(state_dict, str):
             from forge.generation.weight_files import read_weights
+            from forge.generation.weight_folder import check_weight_file
 
+            if self.config.weights_dir is not None:
+                check_weight_file(state_dict, self.config.weights_dir)
             # Mapped, not copied; the trainer does not rewrite the file until the load is done.
             with read_weights(state_dict, version) as mapped:
                 await _settle(self.engine.update_weights(mapped, version))

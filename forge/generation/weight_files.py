@@ -19,7 +19,9 @@ A file that is rewritten in place needs two guards, both here:
   late, after its file was reused for a newer version, gets ``StaleWeightFile`` instead of
   those weights.
 
-The files stay valid safetensors files, so any safetensors reader can open them.
+The files stay valid safetensors files, so any safetensors reader can open them. Their folder
+must be private to the user (``forge.generation.weight_folder.private_folder``, checked before the
+first file is made): whoever can write it could give the policy other weights.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+
+from forge.generation.weight_folder import private_folder
 
 __all__ = ["StaleWeightFile", "WeightFiles", "read_weights", "remove_orphaned_weight_files"]
 
@@ -184,7 +188,8 @@ class WeightFiles:
     the newest, which a policy may be about to load) and returns its path. With the default 3
     files a restarting replica can still be loading the version before the one being pushed
     while the next one is written. The layout is the first state dict's; a state dict of another
-    layout replaces the files. Names are ``weights-<pid>-<slot>.safetensors``, so
+    layout replaces the files. ``folder`` must be private (``private_folder``: this user's, not
+    a symlink, not writable by others). Names are ``weights-<pid>-<slot>.safetensors``, so
     ``remove_orphaned_weight_files`` can tell a dead writer's files.
     """
 
@@ -210,7 +215,7 @@ class WeightFiles:
         if self._files and self._files[0].layout != _layout(state):
             self.close()
         if not self._files:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            private_folder(self.folder)  # made 0700 if missing; a folder others control is refused
             for k in range(self.slots):
                 self._files.append(_Slot(self.folder / f"weights-{os.getpid()}-{k}.safetensors", state))
             self._order = list(range(self.slots))

@@ -57,6 +57,7 @@ def test_app_learns_reward_rises_from_an_on_policy_first_step(tmp_path: Path) ->
     assert [r["policy_version"] for r in rows] == list(range(1, 31))
     assert (tmp_path / "out" / "reward_loss.png").stat().st_size > 0
     assert "grpo: 30 steps" in out and "reward first-10" in out
+    assert list((tmp_path / "weights").iterdir()) == []  # the run's own weight folder went with it
     first, last = (sum(r["reward_mean"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
     assert last > first + 0.08, [round(r["reward_mean"], 3) for r in rows]
     # The mean ratio is ~1 in expectation for any pair of policies, so the bound is tight: a

@@ -1,12 +1,23 @@
-"""Training checkpoints (torch.distributed.checkpoint in one process): atomic, complete, resumable."""
+"""Training checkpoints (torch.distributed.checkpoint in one process): atomic, complete, resumable,
+and loaded without running code from them."""
 
+import pickle
 import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from forge.checkpoint import (
     TrainingState,
+    UnsafeCheckpoint,
+    convert_training_state,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -14,6 +25,9 @@ from forge.checkpoint import (
     read_training_state,
     save_checkpoint,
 )
+
+DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_model_and_optimizer(seed: int = 0, steps: int = 1):
@@ -100,3 +114,156 @@ def test_a_save_removes_the_temporary_folder_of_a_killed_save(tmp_path):
 
 def test_no_checkpoint_means_none(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_folder(tmp_path):
+    """A save that fails while it writes (here DCP, on a model of meta tensors) removes its
+    staging folder; the newest complete checkpoint is still the previous one."""
+    model, opt = tiny_model_and_optimizer()
+    save_checkpoint(tmp_path, model, opt, TrainingState(3, 3))
+    meta = torch.nn.Linear(2, 2, device="meta")
+    with pytest.raises(CheckpointException, match="meta tensor"):
+        save_checkpoint(tmp_path, meta, torch.optim.SGD(meta.parameters()), TrainingState(4, 4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003"]
+    assert read_training_state(latest_checkpoint(tmp_path)).step == 3
+
+
+# ------------------------------------------------------------------ files that would run code
+class _RunsCode:
+    """Unpickling this writes ``marker``: what a crafted checkpoint file could do instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+def _unrestricted_load_runs_it(load: str, marker: Path) -> None:
+    """The control: ``load`` (a Python statement) run in another process does write ``marker``
+    (whatever fails after), so the file really runs code when loaded the way forge does not."""
+    done = subprocess.run([sys.executable, "-c", f"import torch\n{load}"], capture_output=True, text=True)
+    assert marker.exists() and marker.read_text() == "ran", done.stderr[-2000:]
+
+
+def test_a_training_state_whose_unpickling_would_run_code_is_refused_and_nothing_runs(tmp_path):
+    model, opt = tiny_model_and_optimizer()
+    path = save_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
+    marker = tmp_path / "ran"
+    state = {"step": 2, "policy_version": 2, "rng": [], "extra": {"dataset_position": _RunsCode(marker)}}
+    torch.save(state, path / "trainer_state.pt")
+    file = path / "trainer_state.pt"
+    with pytest.raises(UnsafeCheckpoint, match=rf"{file}.*builtins\.exec.*python -m forge\.checkpoint convert"):
+        load_checkpoint(path, model, opt)
+    with pytest.raises(UnsafeCheckpoint, match=str(file)):
+        read_checkpoint(path)
+    assert not marker.exists()
+    _unrestricted_load_runs_it(f"torch.load({str(file)!r}, weights_only=False)", marker)
+
+
+def test_a_dcp_metadata_whose_unpickling_would_run_code_is_refused_and_nothing_runs(tmp_path):
+    """DCP reads its own .metadata with a bare pickle.load; forge's reader allows DCP's classes only."""
+    model, opt = tiny_model_and_optimizer()
+    path = save_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
+    marker = tmp_path / "ran"
+    (path / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(UnsafeCheckpoint, match=rf"{path / '.metadata'} names builtins\.exec"):
+        load_checkpoint(path, model, opt)
+    with pytest.raises(UnsafeCheckpoint, match="builtins.exec"):
+        read_checkpoint(path)
+    assert not marker.exists()
+    load = f"import torch.distributed.checkpoint as d; d.FileSystemReader({str(path)!r}).read_metadata()"
+    _unrestricted_load_runs_it(load, marker)
+
+
+def test_a_dcp_metadata_that_points_outside_its_folder_is_refused(tmp_path):
+    """A shard path in the metadata (DCP's classes only) that leaves the checkpoint folder is refused."""
+    from forge.unpickling import PlainReader
+
+    model, opt = tiny_model_and_optimizer()
+    path = save_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
+    metadata = PlainReader(str(path)).read_metadata()
+    next(iter(metadata.storage_data.values())).relative_path = "../../secret"
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeCheckpoint, match=r"points at shard file '\.\./\.\./secret', outside its checkpoint"):
+        load_checkpoint(path, model, opt)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's own, about saving over a checkpoint in one process
+def test_a_checkpoint_entry_whose_unpickling_would_run_code_is_refused_and_nothing_runs(tmp_path):
+    """A non-tensor entry of the shards (DCP loads them with weights_only=False) is refused too."""
+    model, opt = tiny_model_and_optimizer()
+    path = save_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
+    marker = tmp_path / "ran"
+    from forge.checkpoint import _dcp_state
+
+    crafted = _dcp_state(model, opt)
+    crafted["optimizer"]["param_groups"][0]["lr"] = _RunsCode(marker)
+    dcp.save(crafted, checkpoint_id=path)  # over the saved shards and metadata
+    with pytest.raises(UnsafeCheckpoint, match="'optimizer.param_groups.0.lr'"):
+        load_checkpoint(path, model, opt)
+    with pytest.raises(UnsafeCheckpoint, match="'optimizer.param_groups.0.lr'"):
+        read_checkpoint(path)
+    assert not marker.exists()
+    load = f"from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as f; f({str(path)!r}, 'x.pt')"
+    _unrestricted_load_runs_it(load.replace("'x.pt'", repr(str(tmp_path / "x.pt"))), marker)
+
+
+def test_save_refuses_extra_state_that_a_resume_could_not_load(tmp_path):
+    """numpy values in extra would need unrestricted unpickling: a TypeError, and nothing written."""
+    model, opt = tiny_model_and_optimizer()
+    with pytest.raises(TypeError, match=r"state\.extra holds numpy.*int\(\) of a numpy value"):
+        save_checkpoint(tmp_path, model, opt, TrainingState(1, 1, extra={"position": np.int64(3)}))
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ checkpoints of earlier versions
+def test_a_checkpoint_written_by_7083df2_still_resumes(tmp_path):
+    """The committed checkpoint that forge 7083df2 wrote (``data/make_checkpoint_7083df2.py``)
+    loads as it is: its step numbers, dataset position, weights, optimizer state and RNG."""
+    path = shutil.copytree(DATA / "checkpoint_7083df2", tmp_path / "checkpoints") / "step_00000003"
+    assert latest_checkpoint(path.parent) == path
+    fresh, fresh_opt = tiny_model_and_optimizer(seed=1, steps=0)
+    loaded = load_checkpoint(path, fresh, fresh_opt)
+    assert (loaded.step, loaded.policy_version, loaded.extra, loaded.world_size) == (3, 3, {"dataset_position": 12}, 1)
+    draws = torch.rand(3)
+    torch.manual_seed(5)  # what the writer had seeded just before its save
+    assert torch.equal(draws, torch.rand(3))
+    model, opt = tiny_model_and_optimizer(seed=0, steps=3)  # what the writer had trained
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[name], tensor)
+    for pid, state in opt.state_dict()["state"].items():
+        torch.testing.assert_close(fresh_opt.state_dict()["state"][pid]["exp_avg"], state["exp_avg"])
+    weights, _, _ = read_checkpoint(path)
+    torch.testing.assert_close(weights["1.bias"], model[1].bias)
+
+
+def test_a_trusted_training_state_with_numpy_values_converts_once_and_then_resumes(tmp_path):
+    """A state file that a user's own script wrote with numpy values (refused, naming the file and
+    the command) loads after ``python -m forge.checkpoint convert``, with the same values."""
+    model, opt = tiny_model_and_optimizer()
+    path = save_checkpoint(tmp_path, model, opt, TrainingState(5, 4))
+    state = torch.load(path / "trainer_state.pt", weights_only=True)
+    state["extra"] = {"position": np.int64(7), "scores": np.array([0.5, 1.5]), "name": "run"}
+    torch.save(state, path / "trainer_state.pt")
+    with pytest.raises(UnsafeCheckpoint, match=rf"{path / 'trainer_state.pt'}.*numpy.*convert {path}"):
+        read_training_state(path)
+    command = [sys.executable, "-m", "forge.checkpoint", "convert", str(path)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True)
+    assert "converted" in done.stdout
+    extra = read_training_state(path).extra
+    assert extra["position"] == 7 and type(extra["position"]) is int and extra["name"] == "run"
+    assert torch.equal(extra["scores"], torch.tensor([0.5, 1.5], dtype=torch.float64))
+    assert load_checkpoint(path, model, opt).step == 5
+
+
+def test_convert_refuses_what_it_cannot_make_plain_and_leaves_the_file(tmp_path):
+    model, opt = tiny_model_and_optimizer()
+    path = save_checkpoint(tmp_path, model, opt, TrainingState(5, 4))
+    state = torch.load(path / "trainer_state.pt", weights_only=True)
+    state["extra"] = {"when": Path("/x")}
+    torch.save(state, path / "trainer_state.pt")
+    before = (path / "trainer_state.pt").read_bytes()
+    with pytest.raises(TypeError, match=r"extra\['when'\] is a pathlib\.PosixPath"):
+        convert_training_state(path)
+    assert (path / "trainer_state.pt").read_bytes() == before
