@@ -2,10 +2,10 @@
 
 On one host the trainer hands the policy its weights as a safetensors file in ``/dev/shm``, and
 the policy loads it without a copy (``safetensors.torch.load_file`` maps the file). Writing a
-fresh file per version cost the trainer as much as vLLM's whole reload: ``save_file`` of the
-63 MB medium model took 64 ms, most of it the page faults of new memory, where copying into
-pages that already exist took 12 ms. So the trainer keeps a few files of the model's layout
-(``WeightFiles``) and copies each version into one of them.
+fresh file per version cost the trainer about as much as vLLM's whole reload, most of it the
+page faults of new memory; copying into pages that already exist is several times cheaper
+(figures: ``docs/benchmarks.md`` section 8). So the trainer keeps a few files of the model's
+layout (``WeightFiles``) and copies each version into one of them.
 
 A file that is rewritten in place needs two guards, both here:
 
@@ -95,9 +95,9 @@ class _Mapped:
 
     The writer maps it shared and writable. A reader maps it copy-on-write, as safetensors'
     ``load_file`` does: the pages it reads are the file's own, so it sees each new version
-    without mapping the file again (a fresh mapping faults in each of the 63 MB medium model's
-    15k pages again: 174 ms a load instead of 120), and a write by the engine could never reach
-    the trainer's file.
+    without mapping the file again (a fresh mapping would fault in every page of the file again on
+    each load: ``docs/benchmarks.md`` section 8), and a write by the engine could never reach the
+    trainer's file.
     """
 
     def __init__(self, path: Path, *, writable: bool) -> None:
