@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from forge.types import Episode, EpisodeBatch
+from tests.numerics import assert_close_to_scale
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +53,13 @@ def _batch(model_dir: Path, n: int = 8, seed: int = 1) -> EpisodeBatch:
     return EpisodeBatch.pack(episodes)
 
 
+LR = 1e-2
+
+
 def _config(model_dir: Path, checkpoint_dir: Path | None = None, **overrides):
     from forge.actors.trainer import TrainerConfig
 
-    base = dict(model_path=str(model_dir), temperature=0.7, lr=1e-2, max_grad_norm=0.5, num_threads=1)
+    base = dict(model_path=str(model_dir), temperature=0.7, lr=LR, max_grad_norm=0.5, num_threads=1)
     base.update(overrides)
     return TrainerConfig(**base, checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir))
 
@@ -92,9 +96,61 @@ async def _stop(*meshes) -> None:
     await asyncio.gather(*(stop(m) for m in meshes if m is not None), return_exceptions=True)
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+# Two trainers that split the same step differently (ranks, micro-batches, packing) sum the same
+# terms in other orders, so their results differ by float32 noise that follows the size of the
+# terms (tests/numerics.py), not of the result. The statistics' scales: 1 for the means of
+# per-token terms of size ~1 that cancel: the policy terms |advantage| x ratio (advantages +-1,
+# ratios within a few % of 1, so loss and pg_loss), the ratios, and the k3 KL's exp(r) - r - 1
+# (exp(r) ~ 1: its noise is ~1e-7 whatever the KL; kl, kl_loss). grad_norm, a norm: its own
+# size (None). Weights are compared to the learning rate, the most one step moves them.
+STAT_SCALES = {"loss": 1.0, "pg_loss": 1.0, "ratio_mean": 1.0, "kl": 1.0, "kl_loss": 1.0, "grad_norm": None}
+
+
+def _assert_same_stats(got: dict, want: dict, names, rel: float = 1e-5) -> None:
+    """The step statistics ``names`` agree (``tokens``, a count, exactly)."""
+    for name in names:
+        if name == "tokens":
+            assert got[name] == want[name], name
+        else:
+            assert_close_to_scale(got[name], want[name], rel, scale=STAT_SCALES[name], what=name)
+
+
+def _initial_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+
+
+# AdamW's first step (no weight decay) moves each weight by exactly lr * g / (|g| + eps), eps 1e-8,
+# and later steps by lr * m / (sqrt(v) + eps), m and v averaging g and g^2. Where |g| is within
+# ~100 eps (~0.2% of the weights here: gradients that are 0 in exact arithmetic, as some of a
+# k_proj bias's, or sums that happen to cancel), the share of lr moved follows g's float noise,
+# which differs however the step is split: measured up to 0.023 lr between micro-batch splits and
+# 0.011 lr between one rank and two on emulated other CPUs (and 1.3e-3 lr at a second step).
+# Those weights, recognised by a first step that moved them less than 0.99 lr, are left out; the
+# others agree within 1e-3 lr (measured: up to 2e-5 lr). A wrong split flips the sign of many
+# gradients, so of many weights' moves: ~2 lr. The gradient itself is checked tightly through
+# grad_norm and the loss.
+_DECIDED_MOVE = 0.99
+
+
+def _noise_moved(first: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per weight tensor, where the first step from ``initial`` to ``first`` moved less than 0.99 lr."""
+    noisy = {k: (first[k] - initial[k]).abs() < _DECIDED_MOVE * LR for k in first}
+    left_out, total = sum(int(m.sum()) for m in noisy.values()), sum(m.numel() for m in noisy.values())
+    assert left_out <= 0.01 * total, f"{left_out} of {total} weights moved less than {_DECIDED_MOVE} lr"
+    return noisy
+
+
+def _assert_same_weights(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], noisy: dict[str, torch.Tensor], rel: float = 1e-3
+) -> None:
+    """Weights after the same steps agree within ``rel`` x lr, except the ``noisy`` ones (``_noise_moved``)."""
+    assert got.keys() == want.keys() == noisy.keys()
+    keep = {k: ~m for k, m in noisy.items()}
+    assert_close_to_scale(
+        {k: got[k][m] for k, m in keep.items()}, {k: want[k][m] for k, m in keep.items()}, rel, scale=LR, what="weights"
+    )
 
 
 async def test_two_ranks_take_the_same_step_as_one_and_each_holds_half_the_state(model_dir: Path, tmp_path: Path):
@@ -120,12 +176,11 @@ async def test_two_ranks_take_the_same_step_as_one_and_each_holds_half_the_state
         assert len(shards) == 2 and sum(shards) == pytest.approx(full, rel=0.02)
         assert all(0.4 * full <= s <= 0.6 * full for s in shards), (shards, full)
         assert s1["grad_norm"] > 0.5  # clipping was active
-        for name in ("loss", "grad_norm", "kl", "ratio_mean", "pg_loss", "tokens"):
-            assert s2[name] == pytest.approx(s1[name], rel=1e-5, abs=1e-7), name
+        _assert_same_stats(s2, s1, ("loss", "grad_norm", "kl", "ratio_mean", "pg_loss", "tokens"))
         (w1, v1), (w2, v2) = await asyncio.gather(call_spmd(one.weights), call_spmd(two.weights))
         assert v1 == v2 == 1
-        assert _max_diff(w1, w2) <= 1e-5
-        before = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+        before = _initial_weights(model_dir)
+        _assert_same_weights(w2, w1, _noise_moved(w1, before))
         assert max(float((before[k] - w1[k]).abs().max()) for k in w1) > 1e-3  # the step moved the weights
 
         path = await call_spmd(two.save_checkpoint, 1, {"dataset_position": 5})
@@ -160,6 +215,7 @@ async def test_a_two_rank_trainer_resumed_from_its_checkpoint_continues_exactly(
             _start_in_process(_config(model_dir, tmp_path / "one")),
         )
         await asyncio.gather(call_spmd(original.train_step, first), call_spmd(single.train_step, first))
+        noisy = _noise_moved((await call_spmd(single.weights))[0], _initial_weights(model_dir))
         path, single_path = await asyncio.gather(
             call_spmd(original.save_checkpoint, 1, {"dataset_position": 8}), call_spmd(single.save_checkpoint, 1)
         )
@@ -176,7 +232,7 @@ async def test_a_two_rank_trainer_resumed_from_its_checkpoint_continues_exactly(
         assert (await call_spmd(resumed.load_checkpoint, single_path))[:2] == (1, 1)
         await asyncio.gather(call_spmd(resumed.train_step, second), call_spmd(single.train_step, second))
         (a, _), (b, _) = await asyncio.gather(call_spmd(resumed.weights), call_spmd(single.weights))
-        assert _max_diff(a, b) <= 1e-5
+        _assert_same_weights(a, b, noisy)
     finally:
         await _stop(original, resumed, single)
 
@@ -203,7 +259,7 @@ async def test_a_two_rank_reference_replica_scores_like_one_rank_and_holds_half_
         want = list(torch.split(flat, lengths))
         got = await svc.logprobs.route_many(pairs)
         assert [len(t) for t in got] == lengths
-        assert max(float((a - b).abs().max()) for a, b in zip(got, want)) <= 1e-5
+        assert_close_to_scale(torch.cat(got), torch.cat(want), what="reference logprobs")
         full = await one.state_bytes.call_one()
         (rank0,) = await svc.state_bytes.fanout()
         assert 0.4 * full <= rank0 <= 0.6 * full, (rank0, full)
@@ -296,18 +352,12 @@ def _loss_type_config(model_dir: Path, loss_type: str, **overrides):
 
 
 _STEP_STATS = ("loss", "pg_loss", "kl_loss", "kl", "grad_norm", "tokens")
-# AdamW's first step moves each weight by about lr * g / (|g| + 1e-8): an element whose gradient
-# is float noise (a k_proj bias's is exactly 0 in exact arithmetic) moves by a noise-dependent
-# share of lr (1e-2) however the batch was split, up to ~3e-4 here. A wrong split moves elements
-# by ~2 * lr the other way. The gradient itself is checked tightly through grad_norm and the loss.
-_WEIGHT_TOLERANCE = 1e-3
 
 
-def _assert_same_step(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
-    """Two trainers' (step statistics, updated weights) agree."""
-    for name in _STEP_STATS:
-        assert got[0][name] == pytest.approx(want[0][name], rel=1e-5, abs=1e-7), name
-    assert _max_diff(got[1], want[1]) <= _WEIGHT_TOLERANCE
+def _assert_same_step(got: tuple[dict, dict], want: tuple[dict, dict], initial: dict[str, torch.Tensor]) -> None:
+    """Two trainers' (step statistics, weights after their first step from ``initial``) agree."""
+    _assert_same_stats(got[0], want[0], _STEP_STATS)
+    _assert_same_weights(got[1], want[1], _noise_moved(want[1], initial))
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -324,9 +374,9 @@ async def test_each_loss_type_takes_the_same_step_for_any_micro_batch_size(model
             trainers.append(await _start_in_process(_loss_type_config(model_dir, loss_type, micro_batch_size=size)))
         steps = [await call_spmd(t.train_step, EpisodeBatch.pack(episodes)) for t in trainers]
         weights = [(await call_spmd(t.weights))[0] for t in trainers]
-        assert steps[0]["loss"] == pytest.approx(want, rel=1e-5, abs=1e-7)
+        assert_close_to_scale(steps[0]["loss"], want, scale=STAT_SCALES["loss"], what="loss")
         for got in zip(steps[1:], weights[1:]):
-            _assert_same_step(got, (steps[0], weights[0]))
+            _assert_same_step(got, (steps[0], weights[0]), _initial_weights(model_dir))
     finally:
         await _stop(*trainers)
 
@@ -358,7 +408,7 @@ async def test_each_loss_type_takes_the_same_step_on_two_ranks_as_on_one(model_d
         batch = EpisodeBatch.pack(episodes)
         s1, s2 = await asyncio.gather(call_spmd(one.train_step, batch), call_spmd(two.train_step, batch))
         (w1, _), (w2, _) = await asyncio.gather(call_spmd(one.weights), call_spmd(two.weights))
-        _assert_same_step((s2, w2), (s1, w1))
+        _assert_same_step((s2, w2), (s1, w1), _initial_weights(model_dir))
     finally:
         await _stop(one, two)
 
@@ -385,7 +435,7 @@ async def test_packed_sequences_take_the_same_step_with_less_padding(model_dir: 
             trainers.append(await _start_in_process(config))
         steps = [await call_spmd(t.train_step, EpisodeBatch.pack(episodes)) for t in trainers]
         weights = [(await call_spmd(t.weights))[0] for t in trainers]
-        _assert_same_step((steps[1], weights[1]), (steps[0], weights[0]))
+        _assert_same_step((steps[1], weights[1]), (steps[0], weights[0]), _initial_weights(model_dir))
         assert steps[1]["padding_fraction"] < steps[0]["padding_fraction"], [s["padding_fraction"] for s in steps]
     finally:
         await _stop(*trainers)
