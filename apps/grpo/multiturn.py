@@ -36,12 +36,18 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from apps.grpo.roles import RoleFailed, Roles, call_role
 from apps.grpo.rollouts import DynamicSampling, Rollouts
+from forge.controller import ReplicaFailed
+from forge.envs import Action, EnvError, ResetRequest, SessionKey, StepRequest, Trajectory, UnknownSession
+from forge.losses import group_advantages
+from forge.observability import record_metric
+from forge.types import EpisodeBatch, TurnRequest
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
-    from forge.envs import Trajectory
 
 logger = logging.getLogger("forge.grpo")
 
@@ -84,13 +90,6 @@ class MultiTurnRollouts(Rollouts):
 
     async def one_group(self, prompt: Any, group_id: str) -> Any:
         """``group_size`` trajectories of ``prompt`` -> reference logprobs -> scored episodes."""
-        import torch
-
-        from forge.envs import Trajectory
-        from forge.losses import group_advantages
-        from forge.observability import record_metric
-        from forge.types import EpisodeBatch
-
         t0 = time.perf_counter()
         for attempt in range(1, MAX_GROUP_TRIES + 1):
             tries = [self.trajectory(prompt, group_id) for _ in range(self.group_size)]
@@ -135,10 +134,6 @@ class MultiTurnRollouts(Rollouts):
 
     async def trajectory(self, prompt: Any, group_id: str) -> Trajectory:
         """Play one episode to its end; ``TrajectoryFailed`` (logged) if it cannot finish."""
-        from forge.controller import ReplicaFailed
-        from forge.envs import Action, EnvError, ResetRequest, SessionKey, StepRequest, Trajectory, UnknownSession
-        from forge.types import TurnRequest
-
         session = f"{group_id}/{next(self._sessions)}"
         key = SessionKey(session, group_id)
         env, policy = self.roles.env, self.roles.policy
