@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apps.common.roles import POLICY_ENV, QUIET_ENV, ROLE_ENV, SERVICE_ROLES, RoleFailed, call_role
+from forge.actors import Policy
 from forge.controller import ForgeActor
 from forge.controller.errors import describe
 
 __all__ = ["ROLE_ENV", "SERVICE_ROLES", "RoleFailed", "Roles", "call_role", "start_roles", "stop_roles"]
-
-from forge.actors import Policy
 
 if TYPE_CHECKING:
     from monarch.actor import ActorMesh
@@ -56,9 +55,6 @@ class Roles:
     weight_folder: RunFolder | None = None
     """The file transport's folder of this run (``forge.generation.weight_folder``), the only one
     its policy loads from; removed after the roles stop. None for ``message``."""
-    weight_folder: Any = None
-    """The file transport's folder of this run (``forge.generation.weight_folder.RunFolder``), the
-    only one its policy loads from; removed after the roles stop. None for ``message``."""
 
     @property
     def weights_dir(self) -> str | None:
