@@ -18,7 +18,7 @@ the trainer computes) and the policy version it was sampled with.
 Endpoints of one actor run one at a time, so an update never lands in the middle of a batch.
 
 Routing: ``prompt_key`` + ``key_affinity`` send a prompt (and any retry of it) to the replica
-that owns it by rendezvous hashing, where its prefix may still be cached. The key only routes:
+that owns it by consistent hashing, where its prefix may still be cached. The key only routes:
 on the replica every prompt shares ``generate``'s one batch queue.
 """
 

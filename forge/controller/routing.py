@@ -15,14 +15,25 @@ Built in:
 - ``least_loaded``: power of two choices on in-flight counts (two random replicas, the less
   loaded wins): near-optimal balance without scanning every replica.
 - ``sticky``: the key is a session id; a session stays on its replica while it is healthy.
-- ``key_affinity``: rendezvous hashing of the similarity key, so equal keys meet on one replica
-  (where they share caches and batches) and only ~1/n of keys move when a replica joins or
-  leaves. A request that names a batch queue goes where a batch of that queue is already
-  forming. When the chosen replica's load exceeds ``load_factor`` times the mean (plus
-  ``slack``), the request spills to the least-loaded replica, which bounds the imbalance a hot
-  key can cause.
+- ``key_affinity``: consistent hashing of the similarity key (``HashRing``), so equal keys meet
+  on one replica (where they share caches and batches) and only ~1/n of keys move when a
+  replica joins or leaves. A request that names a batch queue goes back to the replica this
+  router last sent that queue to while a batch of it is still forming there. When the chosen
+  replica's load exceeds ``load_factor`` times the mean (plus ``slack``), the request spills to
+  the less loaded of two other replicas, which bounds the imbalance a hot key can cause.
 - ``model_aware``: the key is a model id; replicas that hold the model first, else the one with
   the fewest models; the default of multiplexed endpoints (``forge.controller.multiplex``).
+
+Every built-in router does O(1) work per request in the number of replicas (O(log n) for a
+lookup on the hash ring or among a subset of replicas), because a controller routes thousands of
+items a step over as many replicas as it is given:
+
+- placement is a bisection on a hash ring built once per replica-id space, not a hash per
+  replica;
+- the forming batch is looked for on one replica, the one the queue was last sent to;
+- the mean load is a running total, re-summed once every n requests (amortised O(1));
+- a spill or a new session takes the better of two random replicas, not the minimum of all;
+- a model is looked for on its first few replicas along the ring and on the one it last went to.
 
 Stickiness has one mechanism, ``Pins``: a bounded table of names (sessions, groups) pinned to
 replicas, with an optional load bound past which a pinned request spills. ``Sticky``,
@@ -32,9 +43,11 @@ replicas, with an optional load bound past which a pinned request spills. ``Stic
 from __future__ import annotations
 
 import abc
+import array
 import bisect
 import collections
 import hashlib
+import heapq
 import itertools
 import math
 import random
@@ -85,11 +98,24 @@ class RoundRobin(Router):
         return replicas[next(self._counter) % len(replicas)]
 
 
-def least_loaded_of_two(replicas: Sequence[ReplicaView], rng: random.Random) -> ReplicaView:
-    """Power of two choices: two distinct random replicas, the one with fewer in flight."""
-    if len(replicas) == 1:
+def least_loaded_of_two(replicas: Sequence[ReplicaView], rng: random.Random, skip: int | None = None) -> ReplicaView:
+    """Power of two choices: two distinct random replicas, the one with fewer in flight.
+
+    ``skip`` is an index into ``replicas`` that is not drawn (a spill leaves its owner out)
+    unless it is the only replica.
+    """
+    n = len(replicas) if skip is None else len(replicas) - 1
+    if n <= 1:
+        if n == 1 and skip == 0:
+            return replicas[1]
         return replicas[0]
-    a, b = rng.sample(range(len(replicas)), 2)
+    # Two distinct indices in range(n) without building a population (random.sample would).
+    a = rng.randrange(n)
+    b = rng.randrange(n - 1)
+    b += b >= a
+    if skip is not None:
+        a += a >= skip
+        b += b >= skip
     ra, rb = replicas[a], replicas[b]
     return ra if ra.in_flight <= rb.in_flight else rb
 
@@ -102,18 +128,24 @@ class LeastLoaded(Router):
         return least_loaded_of_two(replicas, self._rng)
 
 
-def replica_by_id(replicas: Sequence[ReplicaView], replica_id: int) -> ReplicaView | None:
-    """The replica ``replica_id`` among ``replicas``, or None if it is not one of them.
+def index_by_id(replicas: Sequence[ReplicaView], replica_id: int) -> int | None:
+    """The index of replica ``replica_id`` in ``replicas``, or None if it is not one of them.
 
     The service passes replicas in replica-id order, a subsequence of 0..n-1: while every replica
     is a candidate, replica i is at index i (O(1)); otherwise bisection finds it (O(log n)).
     """
     if replica_id < len(replicas) and replicas[replica_id].replica_id == replica_id:
-        return replicas[replica_id]
+        return replica_id
     i = bisect.bisect_left(replicas, replica_id, key=lambda r: r.replica_id)
     if i < len(replicas) and replicas[i].replica_id == replica_id:
-        return replicas[i]
+        return i
     return None
+
+
+def replica_by_id(replicas: Sequence[ReplicaView], replica_id: int) -> ReplicaView | None:
+    """The replica ``replica_id`` among ``replicas`` (in replica-id order), or None; see ``index_by_id``."""
+    i = index_by_id(replicas, replica_id)
+    return None if i is None else replicas[i]
 
 
 class Pins:
@@ -169,9 +201,9 @@ class Pins:
 
 
 class Sticky(Router):
-    """The key is a session id: the first request of a session picks the least-loaded replica,
-    later ones follow it while it can take traffic (``Pins``, no load bound). Requests without
-    a key are balanced."""
+    """The key is a session id: the first request of a session goes to the less loaded of two
+    random replicas, later ones follow it while it can take traffic (``Pins``, no load bound).
+    Requests without a key are balanced the same way."""
 
     def __init__(self, seed: int | None = None, max_sessions: int = 100_000) -> None:
         self._rng = random.Random(seed)
@@ -182,9 +214,15 @@ class Sticky(Router):
             return least_loaded_of_two(replicas, self._rng)
         chosen = self.pins.get(request.key, replicas)
         if chosen is None:
-            chosen = min(replicas, key=lambda r: r.in_flight)
+            chosen = least_loaded_of_two(replicas, self._rng)
             self.pins.pin(request.key, chosen)
         return chosen
+
+
+def stable_hash(value: Hashable, digest_size: int = 8) -> int:
+    """A hash of ``repr(value)`` that is the same in every process (``hash()`` of a str is
+    salted per process, so placement by it would differ between a run and its restart)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=digest_size).digest(), "big")
 
 
 def rendezvous_score(key: Hashable, replica_id: int) -> int:
@@ -193,18 +231,135 @@ def rendezvous_score(key: Hashable, replica_id: int) -> int:
     return int.from_bytes(digest, "big")
 
 
+class HashRing:
+    """Consistent hashing of keys onto replica ids: O(log n) per lookup, built once.
+
+    Each replica id owns ``points`` pseudo-random points on a 32-bit circle; a key belongs to
+    the first point at or after its own hash whose replica is among the candidates. The
+    points depend on the id alone, so the ring is built for ids 0..space-1 and never for a
+    set of candidates: a replica that leaves is a hole the walk steps over (its keys go to the
+    next points, which belong to many replicas, ~1/n of the keys in all), one that comes back
+    takes its keys back, and a new highest id adds its points and takes only the keys that
+    land on them. ``space`` grows to the highest id seen and never shrinks, so which replica
+    is the highest never moves a key.
+
+    A walk takes one step per absent replica's point, about space / len(candidates) steps.
+    Where fewer than 1 in ``_SPARSE`` ids are candidates (a small subset, or most replicas
+    down) rendezvous hashing over the candidates is cheaper (O(len(candidates))) and is used
+    instead; keys may move when a set crosses that line.
+    """
+
+    _SPARSE = 8
+    _MAX_ORDERS = 10_000  # keys whose ring order ``walk`` keeps (models: few and looked up often)
+    _ID_BITS = 32  # a point is (hash << 32) | replica_id, so one sorted array holds both
+
+    def __init__(self, points: int = 128) -> None:
+        check_int("HashRing points", points, 1)
+        self.points = points
+        self.space = 0
+        self._ring = array.array("Q")
+        self._orders: collections.OrderedDict[Hashable, tuple[int, tuple[int, ...]]] = collections.OrderedDict()
+
+    def _grow(self, space: int) -> None:
+        if space > 1 << self._ID_BITS:
+            raise ValueError(f"HashRing holds replica ids below 2**{self._ID_BITS}, got {space - 1}")
+        new = [
+            (stable_hash((replica_id, p), 4) << self._ID_BITS) | replica_id
+            for replica_id in range(self.space, space)
+            for p in range(self.points)
+        ]
+        self._ring = array.array("Q", sorted([*self._ring, *new]))
+        self.space = space
+        self._orders.clear()  # the new ids' points come before some keys' next ids
+
+    def _dense(self, replicas: Sequence[ReplicaView]) -> bool:
+        top = replicas[-1].replica_id + 1
+        if top > self.space:
+            self._grow(top)
+        return len(replicas) * self._SPARSE >= self.space
+
+    def walk(self, key: Hashable, replicas: Sequence[ReplicaView], count: int) -> list[int]:
+        """The indices into ``replicas`` (in replica-id order) of ``key``'s first ``count``
+        distinct replicas in ring order, its owner first (all of them if there are fewer)."""
+        count = min(count, len(replicas))
+        if not self._dense(replicas):
+            return heapq.nlargest(
+                count, range(len(replicas)), key=lambda i: rendezvous_score(key, replicas[i].replica_id)
+            )
+        found: list[int] = []
+        for replica_id in self._order(key, 2 * count):
+            index = index_by_id(replicas, replica_id)
+            if index is not None:
+                found.append(index)
+                if len(found) == count:
+                    return found
+        # Most of the key's first ids are not candidates: walk the ring itself.
+        ring, mask, found = self._ring, (1 << self._ID_BITS) - 1, []
+        i = bisect.bisect_left(ring, stable_hash(key, 4) << self._ID_BITS)
+        while len(found) < count:  # ends: each id below ``space`` has points on the ring
+            index = index_by_id(replicas, ring[i % len(ring)] & mask)
+            if index is not None and index not in found:
+                found.append(index)
+            i += 1
+        return found
+
+    def _order(self, key: Hashable, count: int) -> tuple[int, ...]:
+        """``key``'s first ``count`` distinct replica ids in ring order over every id below
+        ``space``, whoever is a candidate: cached per key (a model's places are looked up on
+        every request) and forgotten when the ring grows."""
+        cached = self._orders.get(key)
+        if cached is not None and cached[0] == count:
+            self._orders.move_to_end(key)
+            return cached[1]
+        ring, mask, ids = self._ring, (1 << self._ID_BITS) - 1, []
+        i = bisect.bisect_left(ring, stable_hash(key, 4) << self._ID_BITS)
+        for step in range(len(ring)):
+            replica_id = ring[(i + step) % len(ring)] & mask
+            if replica_id not in ids:
+                ids.append(replica_id)
+                if len(ids) == count:
+                    break
+        self._orders[key] = (count, tuple(ids))
+        if len(self._orders) > self._MAX_ORDERS:
+            self._orders.popitem(last=False)
+        return tuple(ids)
+
+    def owner(self, key: Hashable, replicas: Sequence[ReplicaView]) -> int:
+        """The index into ``replicas`` of ``key``'s owner: the first replica of its walk."""
+        if not self._dense(replicas):
+            return max(range(len(replicas)), key=lambda i: rendezvous_score(key, replicas[i].replica_id))
+        # ``walk`` for one replica, without its list: this is the hot path of every keyed request.
+        ring, mask = self._ring, (1 << self._ID_BITS) - 1
+        i = bisect.bisect_left(ring, stable_hash(key, 4) << self._ID_BITS)
+        while True:  # ends: a dense set has a replica, and each id below ``space`` has points
+            index = index_by_id(replicas, ring[i % len(ring)] & mask)
+            if index is not None:
+                return index
+            i += 1
+
+
 class KeyAffinity(Router):
-    """Rendezvous hashing on the key with a bound on load imbalance; see the module docstring.
+    """Consistent hashing on the key with a bound on load imbalance; see the module docstring.
 
     Args:
         load_factor: a replica may hold up to ``load_factor`` x the mean in-flight load
             (plus ``slack`` requests) before keyed requests spill off it.
         slack: absolute headroom, so that tiny loads (0 vs 1) never count as imbalance.
-        batch_aware: a request that names its batch queue (``RouteRequest.batch_key``) prefers a
-            replica where a batch of that queue is already forming.
+        batch_aware: a request that names its batch queue (``RouteRequest.batch_key``) goes
+            back to the replica this router last sent that queue to, while a batch of it is
+            forming there and it is under the bound.
+        max_keys: how many batch queues (and, for ``ModelAware``, models) the router remembers
+            the last replica of; the least recently used are forgotten.
     """
 
-    def __init__(self, load_factor: float = 1.5, slack: int = 2, batch_aware: bool = True, seed: int | None = None):
+    def __init__(
+        self,
+        load_factor: float = 1.5,
+        slack: int = 2,
+        batch_aware: bool = True,
+        seed: int | None = None,
+        max_keys: int = 100_000,
+    ):
         if not (isinstance(load_factor, (int, float)) and load_factor >= 1.0):
             raise ValueError(f"KeyAffinity load_factor must be a number >= 1.0, got {load_factor!r}")
         if not (isinstance(slack, int) and slack >= 0):
@@ -212,29 +367,54 @@ class KeyAffinity(Router):
         self.load_factor = float(load_factor)
         self.slack = slack
         self.batch_aware = batch_aware
+        self.ring = HashRing()
         self._rng = random.Random(seed)
+        self._last = Pins(max_keys)  # (endpoint, batch_key) or model id -> the replica it last went to
+        # The running total of in-flight requests behind the mean; see ``bound``.
+        self._total = 0
+        self._placed = 0
+        self._count = 0
 
     def bound(self, replicas: Sequence[ReplicaView]) -> int:
-        """Most in-flight requests a replica may hold before keyed traffic spills off it."""
-        total = sum(r.in_flight for r in replicas) + 1  # counting the request being placed
-        return math.ceil(self.load_factor * total / len(replicas)) + self.slack
+        """Most in-flight requests a replica may hold before keyed traffic spills off it.
+
+        Call once per request placed. The total behind the mean is summed over ``replicas``
+        once every ``len(replicas)`` calls (or when their number changes) and counts the
+        requests placed in between, so it costs O(1) amortised. Between sums it lags the true
+        total by the requests that finished, or that other routers placed, since the last one,
+        at most ``len(replicas)`` requests ago.
+        """
+        n = len(replicas)
+        if self._placed >= n or self._count != n:
+            self._total = sum(r.in_flight for r in replicas)
+            self._placed, self._count = 0, n
+        self._total += 1  # counting the request being placed
+        self._placed += 1
+        return math.ceil(self.load_factor * self._total / n) + self.slack
 
     def owner(self, key: Hashable, replicas: Sequence[ReplicaView]) -> ReplicaView:
-        return max(replicas, key=lambda r: rendezvous_score(key, r.replica_id))
+        """``key``'s replica on the hash ring, whatever the load."""
+        return replicas[self.ring.owner(key, replicas)]
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> ReplicaView:
         if request.key is None:
             return least_loaded_of_two(replicas, self._rng)
         bound = self.bound(replicas)
-        if self.batch_aware and request.batch_key is not None:
-            batch_key = request.batch_key
-            forming = [r for r in replicas if r.has_forming(request.endpoint, batch_key) and r.in_flight < bound]
-            if forming:
-                return min(forming, key=lambda r: r.in_flight)
-        owner = self.owner(request.key, replicas)
-        if owner.in_flight < bound:
-            return owner
-        return min(replicas, key=lambda r: r.in_flight)
+        if not (self.batch_aware and request.batch_key is not None):
+            return self._by_key(request.key, replicas, bound)
+        queue = (request.endpoint, request.batch_key)
+        chosen = self._last.get(queue, replicas)
+        if chosen is None or chosen.in_flight >= bound or not chosen.has_forming(*queue):
+            chosen = self._by_key(request.key, replicas, bound)
+        self._last.pin(queue, chosen)
+        return chosen
+
+    def _by_key(self, key: Hashable, replicas: Sequence[ReplicaView], bound: int) -> ReplicaView:
+        """The key's owner under the bound, else the less loaded of two other replicas."""
+        owner = self.ring.owner(key, replicas)
+        if replicas[owner].in_flight < bound:
+            return replicas[owner]
+        return least_loaded_of_two(replicas, self._rng, skip=owner)
 
 
 class ModelReplicaView(ReplicaView, Protocol):
@@ -249,11 +429,16 @@ class ModelReplicaView(ReplicaView, Protocol):
 class ModelAware(KeyAffinity):
     """Model-aware routing for multiplexed endpoints; the key is the model id.
 
-    A replica that holds the model (loaded, loading or waiting to load) takes the request,
-    preferring one where a batch for the model is forming, then the least loaded. Failing
-    that, a replica with the fewest models (ties: least loaded, then rendezvous hashing, so
-    that equal states agree). Both stay within ``KeyAffinity.bound``: a hot model whose
-    replicas are past it is loaded on one more replica. Arguments as for ``KeyAffinity``.
+    A model's places are its first ``candidates`` replicas along the hash ring, and the
+    replica this router last sent it to. Among them, a replica that holds the model (loaded,
+    loading or waiting to load) takes the request, preferring one where a batch for the model
+    is forming, then the least loaded. Failing that, the one with the fewest models (ties:
+    least loaded, then the first in ring order, so that equal states agree). Both stay within
+    ``KeyAffinity.bound``: a hot model whose places are all past it goes to the less loaded of
+    two random replicas, which loads it, and is remembered as its last replica. Looking at a
+    few places, not every replica, keeps the cost per request flat in the number of replicas;
+    with ``candidates`` replicas or fewer, every replica is a place. Other arguments as for
+    ``KeyAffinity``.
 
     The bound is looser than ``KeyAffinity``'s by default (2x the mean plus 8, not 1.5x plus
     2): a spill costs a model load, and often an eviction that costs another, so the bound
@@ -262,8 +447,27 @@ class ModelAware(KeyAffinity):
     models where 6 suffice; 2x+8 loaded 6.)
     """
 
-    def __init__(self, load_factor: float = 2.0, slack: int = 8, batch_aware: bool = True, seed: int | None = None):
-        super().__init__(load_factor=load_factor, slack=slack, batch_aware=batch_aware, seed=seed)
+    def __init__(
+        self,
+        load_factor: float = 2.0,
+        slack: int = 8,
+        batch_aware: bool = True,
+        seed: int | None = None,
+        max_keys: int = 100_000,
+        candidates: int = 8,
+    ):
+        super().__init__(load_factor=load_factor, slack=slack, batch_aware=batch_aware, seed=seed, max_keys=max_keys)
+        check_int("ModelAware candidates", candidates, 1)
+        self.candidates = candidates
+
+    def places(self, model_id: Hashable, replicas: Sequence[ModelReplicaView]) -> list[ModelReplicaView]:
+        """Where ``model_id`` is looked for and loaded: its first ``candidates`` replicas on
+        the ring, and the replica it last went to."""
+        places = [replicas[i] for i in self.ring.walk(model_id, replicas, self.candidates)]
+        last = self._last.get(model_id, replicas)
+        if last is not None and all(last is not r for r in places):
+            places.append(last)  # type: ignore[arg-type]
+        return places
 
     def choose(  # type: ignore[override]
         self, request: RouteRequest, replicas: Sequence[ModelReplicaView]
@@ -272,16 +476,20 @@ class ModelAware(KeyAffinity):
         if model_id is None:
             return least_loaded_of_two(replicas, self._rng)  # type: ignore[return-value]
         bound = self.bound(replicas)
-        within = [r for r in replicas if r.in_flight < bound] or list(replicas)
+        within = [r for r in self.places(model_id, replicas) if r.in_flight < bound]
         holders = [r for r in within if r.has_model(model_id)]
         if holders:
             if self.batch_aware:
                 holders = [r for r in holders if r.has_forming(request.endpoint, model_id)] or holders
-            return min(holders, key=lambda r: r.in_flight)
-        fewest = min(r.num_models for r in within)
-        ties = [r for r in within if r.num_models == fewest]
-        least = min(r.in_flight for r in ties)
-        return self.owner(model_id, [r for r in ties if r.in_flight == least])  # type: ignore[return-value]
+            chosen = min(holders, key=lambda r: r.in_flight)
+        elif within:
+            # The fewest models, then the least loaded; ties go to the first in ring order
+            # (``min`` keeps the first), so that routers seeing equal states agree.
+            chosen = min(within, key=lambda r: (r.num_models, r.in_flight))
+        else:
+            chosen = least_loaded_of_two(replicas, self._rng)  # type: ignore[assignment]
+        self._last.pin(model_id, chosen)
+        return chosen
 
 
 _REGISTRY: dict[str, type[Router]] = {

@@ -91,14 +91,29 @@ def test_key_affinity_keeps_the_owner_within_the_bound():
     assert r.choose(RouteRequest("ep", "k"), reps) is owner
 
 
-def test_key_affinity_prefers_a_replica_where_the_requests_batch_queue_is_forming():
+def test_key_affinity_sends_a_batch_queue_back_where_its_batch_is_forming():
+    """A request naming a batch queue joins the batch that its queue's last request opened,
+    whatever replica its own key owns; once that batch has run, the key decides again."""
     r = KeyAffinity()
     reps = replicas(3)
-    owner = r.owner("k", reps)
-    other = next(x for x in reps if x is not owner)
-    other.forming.add(("ep", "b"))
-    assert r.choose(RouteRequest("ep", "k", batch_key="b"), reps) is other
-    assert r.choose(RouteRequest("other_ep", "k", batch_key="b"), reps) is owner  # batches are per endpoint
+    first = r.choose(RouteRequest("ep", "k", batch_key="b"), reps)
+    assert first is r.owner("k", reps)
+    first.forming.add(("ep", "b"))  # the batch it opened is waiting for more items
+    j = next(key for key in (f"j{i}" for i in range(100)) if r.owner(key, reps) is not first)
+    assert r.choose(RouteRequest("ep", j, batch_key="b"), reps) is first
+    assert r.choose(RouteRequest("other_ep", j, batch_key="b"), reps) is r.owner(j, reps)  # batches are per endpoint
+    first.forming.clear()  # the batch ran
+    assert r.choose(RouteRequest("ep", j, batch_key="b"), reps) is r.owner(j, reps)
+
+
+def test_key_affinity_leaves_a_forming_batch_on_a_replica_past_the_bound():
+    r = KeyAffinity(load_factor=1.5, slack=0)
+    reps = replicas(3)
+    first = r.choose(RouteRequest("ep", "k", batch_key="b"), reps)
+    first.forming.add(("ep", "b"))
+    first.in_flight = 30  # past the bound, whether or not the running total has seen it yet
+    j = next(key for key in (f"j{i}" for i in range(100)) if r.owner(key, reps) is not first)
+    assert r.choose(RouteRequest("ep", j, batch_key="b"), reps) is r.owner(j, reps)
 
 
 def test_key_affinity_ignores_forming_batches_of_a_request_that_names_no_batch_queue():
