@@ -49,6 +49,10 @@ class PolicyWeights:
         self.resync_timeout_s = resync_timeout_s
         self.served = ServedWeights()
 
+    def use_trainer(self, trainer: Any) -> None:
+        """Fetch from ``trainer`` from now on: the mesh that replaced a dead one."""
+        self.trainer = trainer
+
     async def fetch(self) -> tuple[Any, int]:
         """The trainer's current weights, as the transport carries them, and their version."""
         if self.transport == "file":

@@ -197,8 +197,9 @@ class FaultsSection:
 
     A replica whose process dies (or hangs: see ``health_timeout_s``) is restarted with backoff;
     a restarted policy replica loads the current weights before it takes traffic, and the
-    groups it was generating are generated again. The trainer is not restarted: its death stops
-    the run, which continues from its last checkpoint with ``--resume``.
+    groups it was generating are generated again. A trainer whose process (or one rank's) dies is
+    replaced by a new mesh of the same shape, which loads the newest checkpoint; training rewinds
+    to that step (``trainer_max_restarts``; ``apps/grpo/trainer_restart.py``).
     """
 
     max_restarts: int = 3
@@ -214,6 +215,15 @@ class FaultsSection:
     health_timeout_s: float = 120.0
     """A replica that answers no probe and finishes no request for this long (a hung process)
     is replaced. Keep it above the longest single batch of any role."""
+    trainer_max_restarts: int | None = None
+    """Replacements of a dead trainer in one run, each from the newest checkpoint; None: 1 when
+    ``trainer.checkpoint_every`` > 0, else 0 (without a checkpoint there is nothing to restore)."""
+
+    def trainer_restarts(self, checkpoint_every: int) -> int:
+        """``trainer_max_restarts`` with its default resolved."""
+        if self.trainer_max_restarts is None:
+            return 1 if checkpoint_every > 0 else 0
+        return self.trainer_max_restarts
 
 
 @dataclass(kw_only=True)
@@ -323,6 +333,12 @@ class GRPOConfig:
         self._check_placement()
         if self.faults.max_restarts < 0:
             raise ValueError(f"faults.max_restarts must be >= 0 (0: no restarts), got {self.faults.max_restarts}")
+        restarts = self.faults.trainer_max_restarts
+        if restarts is not None and (isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0):
+            raise ValueError(
+                f"faults.trainer_max_restarts must be an integer >= 0 (0: a dead trainer stops the run), "
+                f"got {restarts!r}"
+            )
         for name in ("restart_backoff_s", "max_unhealthy_s", "health_interval_s", "health_timeout_s"):
             value = getattr(self.faults, name)
             if not value > 0:

@@ -8,8 +8,9 @@ on such a role only when
 - one of its replicas died again after using up its restarts (``faults.max_restarts``), or
 - it has had no healthy replica for longer than ``faults.max_unhealthy_s``.
 
-The trainer is not restarted (its optimizer state lives only in its process): its death stops
-the run at once, and the message says how to continue it (``--resume``).
+The trainer's optimizer state lives only in its processes, so a dead trainer is replaced from
+the newest checkpoint (``trainer_restart.py``, up to ``faults.trainer_max_restarts`` times); past
+that, or without a checkpoint, its death stops the run and the message says how to continue it.
 
 A role is known by its own handle: each service reports its replicas' states, and the trainer's
 process death is matched by the exact name of the trainer's actor mesh.
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from apps.grpo.roles import RoleFailed
 from forge.checkpoint import latest_checkpoint
-from forge.controller import ReplicaState
+from forge.controller import ReplicaFailed, ReplicaState
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
@@ -93,6 +94,7 @@ class RoleWatch:
         self.error: RoleFailed | None = None
         self.stopping = False
         self._actor_meshes: dict[str, str] = {}  # the exact mesh name of each watched actor -> its role
+        self._retired: set[str] = set()  # meshes replaced after their death: later reports are expected
 
     async def watch_actor(self, role: str, actor: Any) -> None:
         """Watch ``actor`` (an actor mesh from ``as_actor``) for process death."""
@@ -102,6 +104,16 @@ class RoleWatch:
             logger.warning("cannot watch %s for process death (no mesh name); its next call will fail instead", role)
             return
         self._actor_meshes[str(await asyncio.wait_for(name, 30.0))] = role
+
+    def retire(self, role: str) -> None:
+        """``role``'s actor was replaced: forget its meshes (late reports of their processes are
+        silenced) and the failure it caused, so the run watches the new one."""
+        for mesh in [m for m, r in self._actor_meshes.items() if r == role]:
+            del self._actor_meshes[mesh]
+            self._retired.add(mesh)
+        if self.error is not None and self.error.role == role:
+            self.error = None
+            self.failed.clear()
 
     def fail(self, error: RoleFailed) -> None:
         """The first failure wins: it is the root cause of what follows."""
@@ -114,10 +126,13 @@ class RoleWatch:
         if self.stopping:
             return True  # processes killed at shutdown (past their exit timeout) are expected
         mesh = str(getattr(failure, "mesh_name", ""))
+        if mesh in self._retired:
+            return True
         role = self._actor_meshes.get(mesh)
         if role is None:
             return False
-        self.loop.call_soon_threadsafe(self.fail, RoleFailed(role, f"its process died (mesh {mesh})"))
+        died = ReplicaFailed(f"its process died (mesh {mesh})")  # as a call to it would have failed
+        self.loop.call_soon_threadsafe(self.fail, RoleFailed(role, died))
         return True
 
     async def watch_services(self, services: dict[str, Any]) -> None:

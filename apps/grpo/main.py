@@ -34,9 +34,10 @@ Faults (``faults`` in the config, see ``faults.py``): a policy, reference or rew
 process dies or hangs is restarted with backoff (a policy replica loads the current weights
 first) and the groups it was generating are generated again; the run goes on with the same
 step numbers. It gives up on a role that has no healthy replica for ``faults.max_unhealthy_s``
-or used up ``faults.max_restarts``. The trainer's death, any other role's failure, or Ctrl-C
-stops every role and exits non-zero with a message naming the role (for the trainer: how to
-``--resume``).
+or used up ``faults.max_restarts``. A trainer whose process dies is replaced from the newest
+checkpoint and training rewinds to it (``trainer_restart.py``, ``faults.trainer_max_restarts``).
+Any other role's failure, a trainer past its restarts, or Ctrl-C stops every role and exits
+non-zero with a message naming the role (for the trainer: how to ``--resume``).
 
 Multi-turn (``env.cls`` set, e.g. ``configs/multiturn_tiny.yaml``): each group is
 ``group_size`` trajectories against an environment service instead of completions scored by
@@ -70,6 +71,7 @@ from apps.grpo.multiturn import MultiTurnRollouts
 from apps.grpo.roles import RoleFailed, Roles, prepare_model, start_roles, stop_roles
 from apps.grpo.rollouts import Rollouts
 from apps.grpo.run_log import RunLog
+from apps.grpo.trainer_restart import TrainerRestarts, trainer_died
 from apps.grpo.training import resume, train
 
 if TYPE_CHECKING:
@@ -113,11 +115,24 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
             rollouts = MultiTurnRollouts.from_config(cfg, roles)
         else:
             rollouts = Rollouts.from_config(cfg, roles)
-        training = asyncio.create_task(train(cfg, roles, rollouts, log, step, version, evals), name="train")
-        watcher = asyncio.create_task(watch.failed.wait(), name="failure-watch")
-        services = asyncio.create_task(watch.watch_services(roles.services()), name="service-watch")
-        tasks = [training, watcher, services, *rollouts.start()]
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        restarts = TrainerRestarts(cfg, model_path, roles, watch)
+        tasks = [asyncio.create_task(watch.watch_services(roles.services()), name="service-watch"), *rollouts.start()]
+        while True:  # once, plus once more after each dead trainer is replaced (trainer_restart.py)
+            training = asyncio.create_task(train(cfg, roles, rollouts, log, step, version, evals), name="train")
+            watcher = asyncio.create_task(watch.failed.wait(), name="failure-watch")
+            tasks += [training, watcher]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            died = trainer_death(watch, training)
+            if died is None:
+                break
+            for task in (training, watcher):
+                task.cancel()
+                tasks.remove(task)
+            await asyncio.gather(training, watcher, return_exceptions=True)
+            step, version = await restarts.restart(died)
+            log.close()
+            log = RunLog(cfg, terminal, resume_after=step, started=t_start)  # the steps after it are logged again
+            log.trainer_restarts = restarts.restarts
         if watch.error is not None:
             raise watch.error
         for task in done:
@@ -127,7 +142,7 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         return log.summary(time.perf_counter() - t_start, startup_s) + (f"; plot {plot}" if plot else "")
     except Exception as exc:
         root = watch.error if watch.error is not None else exc  # a role gone for good is the root cause
-        if isinstance(root, RoleFailed) and root.role == "trainer":
+        if isinstance(root, RoleFailed) and root.role == "trainer" and "the run stopped:" not in root.detail:
             raise RoleFailed("trainer", f"{root.detail}; the run stopped: {resume_hint(cfg)}") from exc
         if root is not exc:
             raise root from exc
@@ -144,6 +159,18 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
             log.close()
         watch.stopping = True  # stays installed: late reports of stopped processes are silenced
         await stop_roles(roles)
+
+
+def trainer_death(watch: RoleWatch, training: asyncio.Task) -> RoleFailed | None:
+    """The trainer's process death that stopped ``training`` or that ``watch`` saw, if that is
+    what happened (``trainer_died``); None for anything else (the run ends or fails as it is)."""
+    if watch.error is not None:
+        return watch.error if trainer_died(watch.error) else None
+    if training.done() and not training.cancelled():
+        error = training.exception()
+        if error is not None and trainer_died(error):
+            return error
+    return None
 
 
 def eval_plan(cfg: GRPOConfig, model_path: str) -> EvalPlan | None:

@@ -342,8 +342,6 @@ async def stop_roles(roles: Roles, timeout_s: float = 60.0) -> None:
     if roles.weight_folder is not None:
         roles.weight_folder.close()  # the weights in /dev/shm are memory until removed
         roles.weight_folder = None
-    if roles.weight_folder is not None:
-        roles.weight_folder.close()  # the weights in /dev/shm are memory until removed
 
 
 def prepare_model(cfg: GRPOConfig) -> str:

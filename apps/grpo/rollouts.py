@@ -202,15 +202,23 @@ class Rollouts:
         backpressure slot."""
         while True:
             self.added.clear()
-            sample = await call_role("buffer", self.roles.buffer.sample.call_one(num_groups, version))
-            self.buffer_stats = sample.stats
-            record_metric("buffer/evicted_groups", sample.evicted, "sum")
-            taken = sample.evicted + (len(sample.groups) if sample.groups is not None else 0)
-            if taken:
-                await self._free(taken)
+            # Shielded: a step cancelled meanwhile (its trainer died) still gives back the slots of
+            # the groups the buffer handed over or evicted, or the rollouts would stall for good.
+            taking = asyncio.ensure_future(self._take(num_groups, version))
+            sample = await asyncio.shield(taking)
             if sample.groups is not None:
                 return sample.groups
             await self.added.wait()
+
+    async def _take(self, num_groups: int, version: int) -> Any:
+        """One ``sample`` from the buffer, its books closed: the slots of what left it freed."""
+        sample = await call_role("buffer", self.roles.buffer.sample.call_one(num_groups, version))
+        self.buffer_stats = sample.stats
+        record_metric("buffer/evicted_groups", sample.evicted, "sum")
+        taken = sample.evicted + (len(sample.groups) if sample.groups is not None else 0)
+        if taken:
+            await self._free(taken)
+        return sample
 
     def end_step(self, batch: list[EpisodeBatch]) -> dict[str, float]:
         """Close a training step's books: how informative its groups were, and a fresh count and

@@ -36,6 +36,8 @@ class RunLog:
         self.metrics_path = self.log.metrics_path
         self.rows = self.log.rows  # the same list: every written row, the resumed run's first
         self.resume_after = resume_after
+        self.trainer_restarts = 0
+        """Dead trainers replaced so far in this run (``restarts/trainer``; ``trainer_restart.py``)."""
         self._drain: asyncio.Task | None = None
 
     async def step(self, step: int, metrics: dict[str, float], roles: Roles) -> None:
@@ -65,6 +67,7 @@ class RunLog:
             totals = svc.metrics()
             self.aggregator.record(f"restarts/{role}", float(totals["restarts"]), "last")
             self.aggregator.record(f"retried/{role}", float(totals["retried"]), "last")
+        self.aggregator.record("restarts/trainer", float(self.trainer_restarts), "last")
         self.aggregator.record("wall_s", time.perf_counter() - self.started, "last")  # since the run started
         row = self.aggregator.flush(step)
         self.log.write(step, row, show=("reward_mean", "loss", "step_time_s", "eval/accuracy"))

@@ -161,19 +161,43 @@ def test_a_role_with_no_healthy_replica_for_too_long_stops_the_run(tmp_path: Pat
     assert "role 'reference' failed: no healthy replica for 3s (faults.max_unhealthy_s=3)" in err, err[-3000:]
 
 
+@pytest.mark.parametrize("procs", [1, 2])
+def test_killed_trainer_is_replaced_from_its_checkpoint_and_the_run_completes(tmp_path: Path, procs: int) -> None:
+    """SIGKILL of the trainer's process (of one rank of two) after step 3, checkpoints every 2
+    steps: a new mesh of the same shape loads the step-2 checkpoint, the policy gets its weights,
+    steps 3 onward are trained again and logged once, and the run completes every step with exit
+    0, every group accounted for."""
+    proc = _app(tmp_path, "trainer.checkpoint_every=2", f"trainer.procs={procs}")
+    _wait_for_step(proc, tmp_path, 3)
+    ranks = role_processes(proc.pid, "trainer")
+    assert len(ranks) == procs
+    ranks[-1].kill()
+    code, out, err = _finish(proc)
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no step twice, none missing
+    assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))  # rewound with the step
+    assert rows[-1]["restarts/trainer"] == 1 and rows[0]["restarts/trainer"] == 0
+    assert "replacing it from step_00000002" in err, err[-3000:]
+    last = rows[-1]
+    assert last["groups/lost"] == 0 and last["groups/unaccounted"] == 0 and last["groups/duplicates"] == 0, last
+    # Steps 3 (and a step cut short by the kill, if any) took groups twice; none was lost.
+    assert last["groups/trained"] >= STEPS * 4, last
+
+
 @pytest.mark.slow  # ~40 s
 def test_trainer_death_stops_the_run_and_says_how_to_resume(tmp_path: Path) -> None:
-    """SIGKILL of the trainer after a checkpoint: exit 1, and the message names the trainer and
-    the checkpoint to continue from with --resume."""
+    """SIGKILL of the trainer after a checkpoint, with no restart allowed: exit 1, and the
+    message names the trainer's death and the checkpoint to continue from with --resume."""
     from forge.checkpoint import latest_checkpoint
 
-    proc = _app(tmp_path, "steps=1000", "trainer.checkpoint_every=2")
+    proc = _app(tmp_path, "steps=1000", "trainer.checkpoint_every=2", "faults.trainer_max_restarts=0")
     _kill_role_at_step(proc, tmp_path, 3, "trainer")
     code, out, err = _finish(proc, timeout=90)
     assert code == 1, f"exit code {code}\nstderr:\n{err[-3000:]}"
     newest = latest_checkpoint(tmp_path / "out" / "checkpoints")
     assert newest is not None
-    assert "grpo: FAILED: role 'trainer' failed: " in err, err[-3000:]
+    assert "grpo: FAILED: role 'trainer' failed: death 1: ReplicaFailed: " in err, err[-3000:]
     assert f"continue from its newest checkpoint ({newest.name}) with the same command plus --resume" in err
 
 

@@ -452,3 +452,18 @@ def test_a_bad_trainer_loss_type_is_refused_at_load(overrides, message):
 
     with pytest.raises(ValueError, match=message):
         load_config(GRPOConfig, None, ["model.path=/m", *overrides])
+
+
+def test_trainer_restarts_default_to_one_with_checkpoints_and_a_negative_count_is_refused():
+    """A dead trainer is replaced once by default when there are checkpoints to restore, never
+    without them; a negative limit is an error naming the key and the value."""
+    from apps.grpo.config import GRPOConfig
+
+    with_checkpoints = load_config(GRPOConfig, None, ["model.path=/m", "trainer.checkpoint_every=2"])
+    assert with_checkpoints.faults.trainer_restarts(with_checkpoints.trainer.checkpoint_every) == 1
+    without = load_config(GRPOConfig, None, ["model.path=/m", "trainer.checkpoint_every=0"])
+    assert without.faults.trainer_restarts(without.trainer.checkpoint_every) == 0
+    chosen = load_config(GRPOConfig, None, ["model.path=/m", "faults.trainer_max_restarts=3"])
+    assert chosen.faults.trainer_restarts(0) == 3
+    with pytest.raises(ValueError, match=r"faults.trainer_max_restarts must be an integer >= 0 .* got -1"):
+        load_config(GRPOConfig, None, ["model.path=/m", "faults.trainer_max_restarts=-1"])

@@ -1,0 +1,128 @@
+"""A GRPO run outlives its trainer: a dead trainer mesh is replaced, and training rewinds to the
+newest checkpoint.
+
+The trainer's state (weights, optimizer moments, RNG) lives only in its processes; a checkpoint
+(``trainer.checkpoint_every``) is the only copy outside them. So when the trainer's process, or
+one rank's of a ``trainer.procs`` mesh, dies:
+
+1. the whole mesh is stopped (a rank cannot rejoin its process group alone);
+2. a new mesh of the same shape starts, as the run started it (``roles.start_role``);
+3. it loads the newest complete checkpoint (resharded if need be); the step counter rewinds to
+   its step, and every step after it is trained again and logged once (the run's log rewinds
+   too, as on ``--resume``);
+4. every policy replica loads that checkpoint's weights, at its version.
+
+The rollout side never stops: the policy, reference and reward services go on filling the buffer
+while the trainer is replaced. Groups sampled by versions newer than the restored one (the dead
+trainer's last pushes) train under the usual ``max_policy_age`` rules; the buffer and the
+rollouts keep counting every group. The dataset is not rewound: the prompts after the
+checkpoint are not drawn again.
+
+A trainer that raises from its own code (a bug, a bad batch) is not restarted: the same step
+would fail again. Past ``faults.trainer_max_restarts`` deaths, or without a checkpoint, the run
+stops with a message naming every death and how to continue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from apps.grpo.faults import RoleWatch, resume_hint
+from apps.grpo.roles import RoleFailed, Roles, assign_gpus, call_role, role_specs, start_role
+from forge.checkpoint import latest_checkpoint
+from forge.controller import ForgeActor, ReplicaFailed
+from forge.distributed import call_spmd
+
+if TYPE_CHECKING:
+    from apps.grpo.config import GRPOConfig
+
+logger = logging.getLogger("forge.grpo")
+
+STOP_TIMEOUT_S = 30.0
+"""Longest the dead mesh's stop may take before the new one starts anyway (its processes are
+reaped at exit)."""
+
+
+def trainer_died(failure: BaseException) -> bool:
+    """Whether ``failure`` is the trainer's process dying (restartable), not its own code failing."""
+    return isinstance(failure, RoleFailed) and failure.role == "trainer" and isinstance(failure.error, ReplicaFailed)
+
+
+class TrainerRestarts:
+    """Replaces a dead trainer from the newest checkpoint, up to ``faults.trainer_max_restarts`` times."""
+
+    def __init__(self, cfg: GRPOConfig, model_path: str, roles: Roles, watch: RoleWatch) -> None:
+        self.cfg = cfg
+        self.model_path = model_path
+        self.roles = roles
+        self.watch = watch
+        self.limit = cfg.faults.trainer_restarts(cfg.trainer.checkpoint_every)
+        self.deaths: list[str] = []
+        """What each death of the trainer was, in order (the final message names them all)."""
+        self.restarts = 0
+        """New trainer meshes started (``restarts/trainer``); a death while restoring counts too."""
+
+    def give_up(self) -> RoleFailed:
+        """The error that stops the run: every death of the trainer, and how to continue."""
+        deaths = "; ".join(f"death {i + 1}: {d}" for i, d in enumerate(self.deaths))
+        return RoleFailed("trainer", f"{deaths}; the run stopped: {resume_hint(self.cfg)}")
+
+    async def restart(self, failure: RoleFailed) -> tuple[int, int]:
+        """Replace the trainer after ``failure`` (``trainer_died``); returns (step, policy version)
+        of the checkpoint training goes on from. Raises the run's final ``RoleFailed`` when no
+        restart is left, there is no checkpoint, or the new trainer dies while it restores."""
+        self.deaths.append(failure.detail)
+        while True:
+            path = latest_checkpoint(self.cfg.checkpoint_dir)
+            if len(self.deaths) > self.limit or path is None:
+                self.watch.retire("trainer")  # this error, naming every death, is the run's
+                raise self.give_up()
+            logger.warning(
+                "the trainer died (%s); replacing it from %s (restart %d of %d)",
+                failure.detail,
+                path.name,
+                len(self.deaths),
+                self.limit,
+            )
+            t0 = time.perf_counter()
+            self.restarts += 1
+            try:
+                step, version = await self._replace(str(path))
+            except RoleFailed as again:
+                if not trainer_died(again):
+                    raise
+                failure = again
+                self.deaths.append(f"{again.detail} (while restoring {path.name})")
+                continue
+            logger.warning(
+                "the trainer is back at step %d (policy version %d) after %.1fs; steps after it are trained again",
+                step,
+                version,
+                time.perf_counter() - t0,
+            )
+            return step, version
+
+    async def _replace(self, checkpoint: str) -> tuple[int, int]:
+        """Stop the old mesh, start a new one, load ``checkpoint``, push its weights to the policy."""
+        roles, cfg = self.roles, self.cfg
+        old = roles.trainer
+        self.watch.retire("trainer")
+        if old is not None:
+            try:
+                await asyncio.wait_for(ForgeActor.shutdown(old), STOP_TIMEOUT_S)
+            except Exception as exc:  # a dead rank's mesh may not stop cleanly: its processes are reaped at exit
+                logger.info("the dead trainer's mesh did not stop cleanly: %s", exc)
+        (spec,) = [s for s in role_specs(cfg, self.model_path, roles.weights_dir) if s.name == "trainer"]
+        try:
+            trainer = await start_role(spec, cfg, assign_gpus(cfg), roles.host_pool)
+        except Exception as exc:
+            raise RoleFailed("trainer", exc) from exc
+        roles.trainer = trainer
+        roles.weights.use_trainer(trainer)
+        await self.watch.watch_actor("trainer", trainer)
+        step, version, _ = await call_role("trainer", call_spmd(trainer.load_checkpoint, checkpoint))
+        await roles.weights.sync()
+        return step, version
