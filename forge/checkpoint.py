@@ -30,11 +30,13 @@ filesystem every rank shares.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import random
 import shutil
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -60,6 +62,7 @@ __all__ = [
     "TrainingState",
     "UnsafeCheckpoint",
     "capture_rng",
+    "check_fits",
     "checkpoint_shapes",
     "convert_training_state",
     "latest_checkpoint",
@@ -68,8 +71,12 @@ __all__ = [
     "read_checkpoint",
     "read_training_state",
     "restore_rng",
+    "PendingCheckpoint",
     "save_checkpoint",
+    "start_checkpoint",
 ]
+
+logger = logging.getLogger("forge.checkpoint")
 
 _METADATA_FILE = ".metadata"  # DCP's, written last by its coordinator (rank 0)
 _STATE_FILE = "trainer_state.pt"
@@ -131,12 +138,35 @@ def save_checkpoint(
     keep: int = 2,
     where: SpmdRank | None = None,
 ) -> Path:
-    """Write ``<root>/step_<state.step>/`` atomically from every rank; return its path.
+    """Write ``<root>/step_<state.step>/`` atomically from every rank; return its path
+    (``start_checkpoint``, then ``PendingCheckpoint.wait``)."""
+    return start_checkpoint(root, model, optimizer, state, keep=keep, where=where).wait()
+
+
+def start_checkpoint(
+    root: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainingState,
+    *,
+    keep: int = 2,
+    where: SpmdRank | None = None,
+    process_group: Any = None,
+) -> PendingCheckpoint:
+    """Copy the model's and optimizer's state to memory and write ``<root>/step_<state.step>/``
+    from a background thread; every rank calls it, and later ``wait`` on what it returns.
+
+    Training may go on (and change the weights) as soon as this returns: DCP's stager copied
+    every rank's shards first. ``process_group``: the group the background write's collectives
+    use (DCP's plan and its metadata gather); it must not be the one training runs its
+    collectives on meanwhile (``forge.distributed.side_group``). None: the default group, for a
+    caller that waits at once.
 
     ``state.rng`` is ignored: each rank's current RNG states are captured here. ``state.extra``
     must load with ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples,
     dicts), or the resume would refuse it: a ``TypeError`` says so before anything is written.
-    One writer (mesh) per ``root``: the temporary folders of earlier, killed saves are removed.
+    One writer (mesh) per ``root``, one checkpoint in flight at a time: the temporary folders of
+    earlier, killed saves are removed.
     """
     where = where or _ONE_RANK
     if keep < 1:
@@ -147,17 +177,86 @@ def save_checkpoint(
     )  # on every rank (they all hold it), so no rank is left in a collective
     root = Path(root)
     final = root / f"{_PREFIX}{state.step:08d}"
-    with _staged_on_main(final, where) as staging:
-        _quiet_dcp(dcp.save, _dcp_state(model, optimizer), checkpoint_id=staging)
+    staged = contextlib.ExitStack()
+    staging = staged.enter_context(_staged_on_main(final, where))
+    try:
         rngs = gather_objects(capture_rng(), where)
-        if where.is_main:
-            saved = TrainingState(state.step, state.policy_version, rngs, extra, where.world_size)
-            torch.save(saved.__dict__, staging / _STATE_FILE)
-    if where.is_main:
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier(where)  # no rank returns before the checkpoint is in place
-    return final
+        saved = TrainingState(state.step, state.policy_version, rngs, extra, where.world_size)
+        _quiet_background_dcp()
+        upload = dcp.async_save(_dcp_state(model, optimizer), checkpoint_id=staging, process_group=process_group)
+    except BaseException:
+        staged.__exit__(*sys.exc_info())  # the staging folder is removed; the last checkpoint stays
+        raise
+    return PendingCheckpoint(final, staging, saved, upload, staged, keep, where)
+
+
+class PendingCheckpoint:
+    """A checkpoint being written in the background (``start_checkpoint``).
+
+    When the write finishes, rank 0 adds the training state, moves the folder into place and
+    prunes the oldest, from the writer's thread: the checkpoint is complete as soon as its files
+    are, whoever waits. Until then the folder has its temporary name, so a process killed
+    meanwhile leaves the previous checkpoint as the newest complete one. ``wait`` (on every
+    rank, at the same point: it ends with a barrier) blocks until then.
+    """
+
+    def __init__(
+        self,
+        final: Path,
+        staging: Path,
+        saved: TrainingState,
+        upload: Any,
+        staged: contextlib.ExitStack,
+        keep: int,
+        where: SpmdRank,
+    ) -> None:
+        self.final = final
+        self.staging = staging
+        self._saved = saved
+        self._staged = staged
+        self._keep = keep
+        self._where = where
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        upload.add_done_callback(self._finish)
+
+    def done(self) -> bool:
+        """Whether the checkpoint is in place, or its write failed (``wait`` returns at once)."""
+        return self._finished.is_set()
+
+    def wait(self) -> Path:
+        """The checkpoint's final path, once it is in place; a failed write raises here and
+        leaves the earlier checkpoints as they were."""
+        self._finished.wait()
+        if self._error is not None:
+            raise self._error
+        barrier(self._where)  # no rank returns before the checkpoint is in place
+        return self.final
+
+    def _finish(self, upload: Any) -> None:
+        """The write's end (in DCP's writer thread, or at once if it had ended): on rank 0, the
+        training state, the move into place and the pruning; on a failure, the staging's removal."""
+        try:
+            error = upload.exception()
+            if error is not None:
+                raise error
+            if self._where.is_main:
+                torch.save(self._saved.__dict__, self.staging / _STATE_FILE)
+            self._staged.close()  # rank 0: the folder moves into place
+            if self._where.is_main:
+                for old in list_checkpoints(self.final.parent)[: -self._keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        except BaseException as exc:
+            self._error = exc
+            self._staged.__exit__(type(exc), exc, exc.__traceback__)  # the staging folder is removed
+        finally:
+            self._finished.set()
+
+
+def _quiet_background_dcp() -> None:
+    """DCP warns from its writer thread that it assumes one process when no process group
+    exists, which is intended; ``warnings.catch_warnings`` cannot reach another thread."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 @contextlib.contextmanager
@@ -188,7 +287,11 @@ def _complete(path: Path) -> bool:
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root``; the folders that writers killed mid-write
+    left (never complete) are named in a warning and ignored."""
     found = list_checkpoints(root)
+    for partial in sorted(Path(root).glob(f"{_STAGING_PREFIX}*")) if Path(root).is_dir() else []:
+        logger.warning("ignoring %s: a checkpoint whose writer stopped before it was complete", partial)
     return found[-1] if found else None
 
 
@@ -238,6 +341,23 @@ def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
         for name, meta in metadata.state_dict_metadata.items()
         if name.startswith(prefix) and hasattr(meta, "size")
     }
+
+
+def check_fits(path: str | os.PathLike, shapes: dict[str, tuple[int, ...]], fix: str) -> None:
+    """A ``ValueError`` naming the first difference if the checkpoint at ``path`` holds other
+    parameter names or shapes than ``shapes`` (a model's, global); ``fix`` says what to do."""
+    saved = checkpoint_shapes(path)
+    missing, unexpected = sorted(shapes.keys() - saved.keys()), sorted(saved.keys() - shapes.keys())
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}; {fix}"
+        )
+    for name, shape in shapes.items():
+        if saved[name] != shape:
+            raise ValueError(
+                f"checkpoint {path} does not fit the model: {name} is {list(saved[name])} in the "
+                f"checkpoint but {list(shape)} in the model; {fix}"
+            )
 
 
 def load_checkpoint(

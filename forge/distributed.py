@@ -277,6 +277,15 @@ def broadcast_object(obj: Any, where: SpmdRank) -> Any:
     return box[0]
 
 
+def side_group(where: SpmdRank) -> Any:
+    """A second gloo process group of every rank, for collectives that run in a background
+    thread (a checkpoint's write) while training runs its own on the default group; None for a
+    one-rank mesh. Every rank must call it, at the same point."""
+    if not where.distributed:
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def barrier(where: SpmdRank) -> None:
     if where.distributed:
         dist.barrier()

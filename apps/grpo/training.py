@@ -99,6 +99,8 @@ async def train(
                 await export_step(cfg, roles, step, log.started)
         if pushing is not None:
             await pushing
+        if cfg.trainer.checkpoint_every:  # the last checkpoint, written in the background, is in place
+            await call_role("trainer", call_spmd(roles.trainer.wait_checkpoint))
         if cfg.trainer.export_final_model:
             await export_final_model(cfg, roles)
     finally:
@@ -136,9 +138,14 @@ def checkpoint_due(cfg: GRPOConfig, step: int) -> bool:
 
 
 async def save_checkpoint(roles: Roles, step: int) -> None:
-    """The trainer's full state, plus the controller's: the dataset's position."""
+    """The trainer's full state, plus the controller's: the dataset's position. The time the step
+    loop waits for it is ``checkpoint_s`` in the next step's row."""
+    from forge.observability import record_metric
+
+    t0 = time.perf_counter()
     position = await call_role("dataset", roles.dataset.position.call_one())
     await call_role("trainer", call_spmd(roles.trainer.save_checkpoint, step, {"dataset_position": position}))
+    record_metric("checkpoint_s", time.perf_counter() - t0, "sum")
 
 
 async def resume(cfg: GRPOConfig, roles: Roles, path: Path) -> tuple[int, int]:

@@ -191,6 +191,8 @@ async def train(
         if every and (step % every == 0 or last or stopped):
             extra = {"data_position": records.position}
             await call_role("trainer", call_spmd(roles.trainer.save_checkpoint, step, extra))
+            if last or stopped:  # the last checkpoint, written in the background, is in place
+                await call_role("trainer", call_spmd(roles.trainer.wait_checkpoint))
         if stopped:
             logger.warning(
                 "held-out accuracy %.3f reached eval.stop_at_accuracy=%g at step %d: stopping",

@@ -35,6 +35,7 @@ its own state as ``extra``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -54,10 +55,12 @@ from forge.distributed import (
     local_state_bytes,
     shard_model,
     shutdown_spmd,
+    side_group,
 )
 from forge.losses import grpo_loss, sft_loss, trainable_lengths
 from forge.losses.grpo import LOSS_NORMALISERS
 from forge.models import PaddedBatch, forward_tokens, pack_right_padded, padded_token_logprobs
+from forge.models.export import TIED_HEAD, write_hf_folder
 from forge.types import Episode, EpisodeBatch, SFTBatch, SFTExample
 
 if TYPE_CHECKING:
@@ -66,7 +69,8 @@ if TYPE_CHECKING:
 __all__ = ["GRPOLossSettings", "OptimizerSettings", "Trainer", "TrainerConfig", "TrainerSettings"]
 # The settings are re-exported here: ``forge.actors.trainer`` is where users look for them.
 
-_TIED_HEAD = "lm_head.weight"
+logger = logging.getLogger("forge.trainer")
+
 # Statistics that are means over tokens; ``*_max`` ones are maxima; the rest (``loss``,
 # ``pg_loss``, ``kl_loss``) are normalised like the loss, as ``loss_type`` says.
 _TOKEN_MEANS = frozenset({"kl", "clip_fraction", "ratio_mean", "mismatch_mean"})
@@ -92,6 +96,8 @@ class Trainer(ForgeActor):
         self.version = 0
         self.device = torch.device("cpu")
         self._weight_files = None
+        self._checkpoint: checkpoint.PendingCheckpoint | None = None  # the one being written
+        self._checkpoint_group: Any = None  # its background collectives' own process group
 
     @endpoint
     async def setup(self) -> None:
@@ -101,6 +107,8 @@ class Trainer(ForgeActor):
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.rank = await init_spmd(cfg.dist_backend, cfg.dist_timeout_s)
+        if cfg.checkpoint_dir is not None and cfg.async_checkpoint:
+            self._checkpoint_group = side_group(self.rank)
         self.device = self.rank.device
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=getattr(torch, cfg.dtype))
@@ -334,15 +342,38 @@ class Trainer(ForgeActor):
         plus ``step``, the policy version, every rank's Python/torch/CUDA RNG states and ``extra``
         (the caller's own state, e.g. its dataset position). Only the newest
         ``keep_checkpoints`` are kept. Returns None when ``checkpoint_dir`` is None.
+
+        With ``async_checkpoint`` it returns once the state is copied to memory, before the folder
+        is in place (``wait_checkpoint``); a save first waits for the one still being written.
         """
         cfg = self.config
         if cfg.checkpoint_dir is None:
             return None
+        self._finish_checkpoint()
         state = checkpoint.TrainingState(step=step, policy_version=self.version, extra=dict(extra or {}))
-        path = checkpoint.save_checkpoint(
-            cfg.checkpoint_dir, self.model, self.optimizer, state, keep=cfg.keep_checkpoints, where=self.rank
+        pending = checkpoint.start_checkpoint(
+            cfg.checkpoint_dir,
+            self.model,
+            self.optimizer,
+            state,
+            keep=cfg.keep_checkpoints,
+            where=self.rank,
+            process_group=self._checkpoint_group,
         )
-        return str(path)
+        if self._checkpoint_group is None:
+            return str(pending.wait())
+        self._checkpoint = pending
+        return str(pending.final)
+
+    @endpoint
+    async def wait_checkpoint(self) -> str | None:
+        """Wait until the checkpoint being written in the background is in place; its folder
+        (None if none was in flight). A failed write raises here."""
+        return self._finish_checkpoint()
+
+    def _finish_checkpoint(self) -> str | None:
+        pending, self._checkpoint = self._checkpoint, None
+        return None if pending is None else str(pending.wait())
 
     @endpoint
     async def load_checkpoint(self, path: str) -> tuple[int, int, dict[str, Any]]:
@@ -354,30 +385,20 @@ class Trainer(ForgeActor):
         trainer's config, not the checkpoint, so a resumed run may change them. A checkpoint
         whose parameter names or shapes differ from the model's is a ``ValueError``.
         """
-        self._check_fits(path)
+        self._finish_checkpoint()
+        # Global shapes: a sharded parameter is a DTensor whose .shape is the whole tensor's.
+        shapes = {name: tuple(p.shape) for name, p in self.model.state_dict().items()}
+        checkpoint.check_fits(
+            path,
+            shapes,
+            f"resume with the model the checkpoint was written for (model.path is {self.config.model_path})",
+        )
         state = checkpoint.load_checkpoint(path, self.model, self.optimizer, where=self.rank)
         cfg = self.config
         for group in self.optimizer.param_groups:
             group.update(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self.version = state.policy_version
         return state.step, state.policy_version, state.extra
-
-    def _check_fits(self, path: str) -> None:
-        saved = checkpoint.checkpoint_shapes(path)
-        # Global shapes: a sharded parameter is a DTensor whose .shape is the whole tensor's.
-        own = {name: tuple(p.shape) for name, p in self.model.state_dict().items()}
-        fix = f"resume with the model the checkpoint was written for (model.path is {self.config.model_path})"
-        missing, unexpected = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}; {fix}"
-            )
-        for name, shape in own.items():
-            if saved[name] != shape:
-                raise ValueError(
-                    f"checkpoint {path} does not fit the model: {name} is {list(saved[name])} in the "
-                    f"checkpoint but {list(shape)} in the model; {fix}"
-                )
 
     @endpoint
     async def export_model(self, folder: str) -> str:
@@ -388,7 +409,7 @@ class Trainer(ForgeActor):
             from forge.staging import staged_folder
 
             with staged_folder(Path(folder), prefix=".tmp_export_") as tmp:
-                _write_hf_folder(self.model, state, self.config.model_path, tmp)
+                write_hf_folder(self.model, state, self.config.model_path, tmp)
         return folder
 
     @endpoint
@@ -400,6 +421,11 @@ class Trainer(ForgeActor):
         """Monarch's stop hook: published weight files must not outlive the run; leave the
         process group."""
         self._remove_published()
+        if self._checkpoint is not None:  # a stop in order keeps the checkpoint it was writing
+            try:
+                self._finish_checkpoint()
+            except Exception as error:
+                logger.warning("the checkpoint being written when the trainer stopped failed: %s", error)
         shutdown_spmd()
 
     def _remove_published(self) -> None:
@@ -413,7 +439,7 @@ class Trainer(ForgeActor):
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         out = {}
         for name, tensor in full_state_dict(self.model, self.rank).items():
-            if tied and name == _TIED_HEAD:
+            if tied and name == TIED_HEAD:
                 continue
             t = tensor.detach()
             if dtype is not None:
@@ -468,19 +494,3 @@ def _forward_tokens(batches: list[PaddedBatch], pack: bool, row_tokens: int) -> 
 
 def _chunks(items: list[Episode], size: int) -> list[list[Episode]]:
     return [items[start : start + size] for start in range(0, len(items), size)]
-
-
-def _write_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, folder: Path) -> None:
-    """``config.json``, ``model.safetensors`` (a tied head stored once) and the tokenizer of
-    ``source``: what ``from_pretrained`` and vLLM read."""
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    tensors = {k: v.contiguous() for k, v in state.items() if not (tied and k == _TIED_HEAD)}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    model.config.save_pretrained(folder)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None:
-        generation.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(source).save_pretrained(folder)

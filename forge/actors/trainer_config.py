@@ -56,6 +56,10 @@ class OptimizerSettings:
     """CPU threads for torch in each rank; 0 keeps torch's default."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep; older ones are deleted after each save."""
+    async_checkpoint: bool = True
+    """Write checkpoints in the background: ``save_checkpoint`` returns once the state is copied
+    to memory, and the files are written while training goes on (one checkpoint in flight; the
+    next save, a load or the stop waits for it). False: the save returns when it is in place."""
     dist_backend: str | None = None
     """torch.distributed backend when ``procs > 1``: None picks ``nccl`` on GPUs, ``gloo`` on CPU."""
     dist_timeout_s: float = 300.0

@@ -117,12 +117,12 @@ def test_no_checkpoint_means_none(tmp_path):
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_folder(tmp_path):
-    """A save that fails while it writes (here DCP, on a model of meta tensors) removes its
-    staging folder; the newest complete checkpoint is still the previous one."""
+    """A save that fails (here DCP's copy of a model of meta tensors, before the write) removes
+    its staging folder; the newest complete checkpoint is still the previous one."""
     model, opt = tiny_model_and_optimizer()
     save_checkpoint(tmp_path, model, opt, TrainingState(3, 3))
     meta = torch.nn.Linear(2, 2, device="meta")
-    with pytest.raises(CheckpointException, match="meta tensor"):
+    with pytest.raises((CheckpointException, NotImplementedError), match="meta tensor"):
         save_checkpoint(tmp_path, meta, torch.optim.SGD(meta.parameters()), TrainingState(4, 4))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003"]
     assert read_training_state(latest_checkpoint(tmp_path)).step == 3

@@ -184,6 +184,7 @@ async def test_two_ranks_take_the_same_step_as_one_and_each_holds_half_the_state
         assert max(float((before[k] - w1[k]).abs().max()) for k in w1) > 1e-3  # the step moved the weights
 
         path = await call_spmd(two.save_checkpoint, 1, {"dataset_position": 5})
+        assert await call_spmd(two.wait_checkpoint) == path  # written in the background (async_checkpoint)
         assert sorted(p.name for p in Path(path).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
         fresh = await _start_in_process(_config(model_dir))
         try:
@@ -219,7 +220,10 @@ async def test_a_two_rank_trainer_resumed_from_its_checkpoint_continues_exactly(
         path, single_path = await asyncio.gather(
             call_spmd(original.save_checkpoint, 1, {"dataset_position": 8}), call_spmd(single.save_checkpoint, 1)
         )
+        # The two-rank checkpoint is written in the background while the next step changes the
+        # weights: what it holds is the state at the save.
         await call_spmd(original.train_step, second)
+        assert await call_spmd(original.wait_checkpoint) == path
         want, want_version = await call_spmd(original.weights)
 
         assert await call_spmd(resumed.load_checkpoint, path) == (1, 1, {"dataset_position": 8})

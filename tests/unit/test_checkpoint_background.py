@@ -1,0 +1,82 @@
+"""Checkpoints written in the background (``forge.checkpoint.start_checkpoint``): a snapshot at
+the call, complete as soon as the files are, and a process killed mid-write leaves the previous
+checkpoint as the newest one."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from forge.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, read_training_state, start_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _model_and_optimizer(width: int = 16) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(2, width)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_background_checkpoint_holds_the_state_at_the_call_and_is_in_place_when_written(tmp_path: Path) -> None:
+    """Training goes on while the files are written: what the checkpoint holds is the state when
+    ``start_checkpoint`` returned; after ``wait`` it is the newest complete checkpoint."""
+    model, opt = _model_and_optimizer()
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    pending = start_checkpoint(tmp_path, model, opt, TrainingState(7, 7))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next step, while the write may still run
+    assert pending.wait() == tmp_path / "step_00000007" and pending.done()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000007"
+    fresh, fresh_opt = _model_and_optimizer()
+    assert load_checkpoint(tmp_path / "step_00000007", fresh, fresh_opt).step == 7
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in at_save.items())
+
+
+_KILLED_MID_WRITE = """
+import os, signal, sys, torch
+from forge.checkpoint import TrainingState, save_checkpoint, start_checkpoint
+root = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8)))  # 8.4 M params: 100 MB with AdamW
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model(torch.ones(2, 1024)).sum().backward()
+opt.step()
+save_checkpoint(root, model, opt, TrainingState(1, 1))
+start_checkpoint(root, model, opt, TrainingState(2, 2))
+os.kill(os.getpid(), signal.SIGKILL)  # while the writer thread has its files open
+"""
+
+
+def test_a_process_killed_mid_write_leaves_the_previous_checkpoint_and_names_the_half_written_one(
+    tmp_path: Path, caplog
+) -> None:
+    """SIGKILL right after a background checkpoint starts: step 2's folder never got its final
+    name (it is still the temporary one, so the kill landed mid-write), step 1 is the newest
+    complete checkpoint and loads, and the half-written folder is named in a warning."""
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_KILLED_MID_WRITE), str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    (partial,) = [n for n in names if n.startswith(".tmp_")]
+    assert names == [partial, "step_00000001"], names  # no step_00000002: the kill came before the move
+    with caplog.at_level(logging.WARNING, logger="forge.checkpoint"):
+        newest = latest_checkpoint(tmp_path)
+    assert newest == tmp_path / "step_00000001"
+    assert partial in caplog.text and "stopped before it was complete" in caplog.text
+    assert read_training_state(newest).step == 1
