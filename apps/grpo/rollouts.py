@@ -55,6 +55,14 @@ class RolloutCounts:
         return self.started - self.stored - self.refused - self.dropped_uniform - self.in_flight
 
 
+def check_count(role: str, what: str, expected: int, received: int) -> None:
+    """A role answered a group with the wrong number of results: fail the run naming it, rather
+    than zip the results short (a group of fewer episodes, rewards against the wrong completions).
+    Not recoverable: the role's own code is wrong, and generating again would only repeat it."""
+    if received != expected:
+        raise RoleFailed(role, f"returned {received} {what} for a group that needs {expected}")
+
+
 def rewards_uniform(group: EpisodeBatch) -> bool:
     """Whether every episode of ``group`` has the same reward (``forge.losses.rewards_uniform``):
     such a group costs trainer compute and dilutes the batch but teaches nothing."""
@@ -318,6 +326,17 @@ class Rollouts:
                 )
             return self._prompts.popleft()
 
+    # One request per group to the reward and the reference, not one per completion: the
+    # controller's cost per sequence was its cost per request (docs/benchmarks.md, section 17).
+    # Routed inside these coroutines, so a worker cancelled before they run queues nothing.
+    async def _rewards(self, prompt: Any, completions: list[Any]) -> list[Any]:
+        texts = [c.text for c in completions]
+        return await call_role("reward", self.roles.reward.score_groups.route((prompt, texts)))
+
+    async def _ref_logprobs(self, completions: list[Any]) -> list[Any]:
+        group = (completions[0].prompt_ids, [c.token_ids for c in completions])  # one prompt per group
+        return await call_role("reference", self.roles.reference.logprobs_groups.route(group))
+
     async def one_group(self, prompt: Any, group_id: str) -> Any:
         """Prompt -> completions -> rewards and reference logprobs -> scored episodes."""
         roles = self.roles
@@ -325,12 +344,15 @@ class Rollouts:
         group = await call_role("policy", roles.policy.generate.route(prompt, key=prompt_key(prompt)))
         t1 = time.perf_counter()
         completions = group.completions
+        check_count("policy", "completions", self.group_size, len(completions))
         rewards, ref_logprobs = await asyncio.gather(
-            call_role("reward", roles.reward.score.route_many([(prompt, c.text) for c in completions])),
-            call_role(
-                "reference", roles.reference.logprobs.route_many([(c.prompt_ids, c.token_ids) for c in completions])
-            ),
+            self._rewards(prompt, completions), self._ref_logprobs(completions)
         )
+        check_count("reward", "rewards", len(completions), len(rewards))
+        check_count("reference", "reference logprobs", len(completions), len(ref_logprobs))
+        failed = next((r for r in rewards if isinstance(r, Exception)), None)
+        if failed is not None:  # a reward function raised on one of the group's responses
+            raise RoleFailed("reward", failed)
         record_metric("rollout/generate_latency_s", t1 - t0)
         record_metric("rollout/score_latency_s", time.perf_counter() - t1)
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32))

@@ -4,7 +4,13 @@ Callers send one ``(prompt_ids, response_ids)`` pair each::
 
     ref_lp = await reference.logprobs.route((completion.prompt_ids, completion.token_ids))
 
-and get back the per-token logprobs of the response (float32 ``[T]``). The service prebatches
+and get back the per-token logprobs of the response (float32 ``[T]``). A caller with a whole
+group (one prompt, many responses) sends it as one request instead, so that the controller pays
+one request per group, not one per response::
+
+    ref_lps = await reference.logprobs_groups.route((prompt_ids, [c.token_ids for c in completions]))
+
+and gets one ``[T]`` tensor per response, in order. The service prebatches
 pairs by *length bucket* (the ``Batching`` key), so a batch holds sequences of similar length
 and its right padding stays small; one forward pass scores the whole batch. A batch holds at
 most ``TOKEN_BUDGET`` tokens (``Batching(size_fn=pair_tokens)``), not a number of sequences:
@@ -25,6 +31,7 @@ answers for the replica.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -36,7 +43,17 @@ from forge.distributed import SpmdRank, gather_objects, init_spmd, local_state_b
 from forge.models import forward_padding_fraction, sequence_logprobs
 from forge.observability import record_metric
 
-__all__ = ["TOKEN_BUDGET", "PackedPairs", "ReferenceConfig", "ReferenceModel", "length_bucket", "pair_tokens"]
+__all__ = [
+    "TOKEN_BUDGET",
+    "PackedGroupPairs",
+    "PackedPairs",
+    "ReferenceConfig",
+    "ReferenceModel",
+    "group_bucket",
+    "group_tokens",
+    "length_bucket",
+    "pair_tokens",
+]
 
 TOKEN_BUDGET = 16384
 """Most prompt + response tokens in one reference batch (padding adds under 25%: see buckets)."""
@@ -58,6 +75,20 @@ def length_bucket(pair: tuple[torch.Tensor, torch.Tensor]) -> int:
     if n <= _BUCKET_BASE:
         return 0
     return 1 + int(math.log(n / _BUCKET_BASE, _BUCKET_GROWTH))
+
+
+def group_tokens(group: tuple[torch.Tensor, list[torch.Tensor]]) -> int:
+    """Batching size of a group (prompt ids, responses): its pairs' tokens, at most the budget.
+    A group larger than one forward pass is still one request: the replica splits its batch into
+    passes within the budget (``ReferenceModel._score_within_budget``)."""
+    prompt, responses = group
+    return min(TOKEN_BUDGET, sum(int(prompt.numel()) + int(r.numel()) for r in responses))
+
+
+def group_bucket(group: tuple[torch.Tensor, list[torch.Tensor]]) -> int:
+    """Batching key of a group: the length bucket of its longest pair (``length_bucket``)."""
+    prompt, responses = group
+    return length_bucket((prompt, max(responses, key=lambda r: r.numel())))
 
 
 @dataclass
@@ -84,6 +115,20 @@ class PackedPairs:
         return list(torch.split(self.prompt_ids, self.prompt_lens)), list(
             torch.split(self.response_ids, self.response_lens)
         )
+
+
+@dataclass
+class PackedGroupPairs:
+    """A batch of groups as one ``PackedPairs`` (every group's pairs, group after group) and each
+    group's number of responses, to split the logprobs back per group."""
+
+    pairs: PackedPairs
+    group_sizes: list[int]
+
+    @classmethod
+    def pack(cls, groups: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> PackedGroupPairs:
+        pairs = [(prompt, response) for prompt, responses in groups for response in responses]
+        return cls(PackedPairs.pack(pairs), [len(responses) for _, responses in groups])
 
 
 @dataclass(kw_only=True)
@@ -137,6 +182,47 @@ class ReferenceModel(ForgeActor):
             raise ValueError(f"ReferenceModel.logprobs returned {len(lengths)} results for {n} pairs")
         return [t.clone() for t in torch.split(flat, lengths)]
 
+    @staticmethod
+    def pack_groups(groups: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> PackedGroupPairs:
+        """``logprobs_groups``' enbatch: the callers' groups -> one ``PackedGroupPairs``."""
+        return PackedGroupPairs.pack(groups)
+
+    @staticmethod
+    def split_group_logprobs(result: tuple[torch.Tensor, list[int], list[int]], n: int) -> list[list[torch.Tensor]]:
+        """``logprobs_groups``' debatch: flat logprobs -> one list of ``[T]`` tensors per caller."""
+        flat, lengths, sizes = result
+        if len(sizes) != n or sum(sizes) != len(lengths):
+            raise ValueError(
+                f"ReferenceModel.logprobs_groups returned {len(sizes)} groups of {sum(sizes)} responses and "
+                f"{len(lengths)} logprob rows for {n} groups"
+            )
+        rows = [t.clone() for t in torch.split(flat, lengths)]
+        bounds = [0, *itertools.accumulate(sizes)]
+        return [rows[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    @endpoint(
+        batch=Batching(
+            max_size=TOKEN_BUDGET,
+            size_fn=group_tokens,
+            max_wait_s=0.002,
+            key=group_bucket,
+            enbatch="pack_groups",
+            debatch="split_group_logprobs",
+        )
+    )
+    async def logprobs_groups(
+        self, groups: PackedGroupPairs | list[tuple[torch.Tensor, list[torch.Tensor]]]
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """``logprobs`` of whole groups: each item is one prompt's ids and its responses.
+
+        Returns the logprobs flat with the response lengths and each group's size; through the
+        service each caller gets its group's ``[T]`` tensors, in order.
+        """
+        if not isinstance(groups, PackedGroupPairs):
+            groups = PackedGroupPairs.pack(groups)
+        flat, lengths = self._logprobs(groups.pairs)
+        return flat, lengths, groups.group_sizes
+
     @endpoint(
         batch=Batching(
             max_size=TOKEN_BUDGET,
@@ -155,17 +241,36 @@ class ReferenceModel(ForgeActor):
         Returns them flat with the response lengths; through the service each caller gets its
         own ``[T]`` tensor.
         """
-        t0 = time.perf_counter()
         if not isinstance(pairs, PackedPairs):
             pairs = PackedPairs.pack(pairs)
+        return self._logprobs(pairs)
+
+    def _logprobs(self, pairs: PackedPairs) -> tuple[torch.Tensor, list[int]]:
+        """One batch's flat logprobs and response lengths, with its metrics recorded."""
+        t0 = time.perf_counter()
         prompts, responses = pairs.unpack()
-        out = self._score(prompts, responses)
+        out = self._score_within_budget(prompts, responses)
         if self.rank.is_main:  # rank 0 answers (and is drained) for the replica
             lengths = [p + r for p, r in zip(pairs.prompt_lens, pairs.response_lens)]
             record_metric("reference/padding_fraction", forward_padding_fraction(lengths, self.config.pack_sequences))
             record_metric("reference/batch_size", len(lengths))
             record_metric("reference/forward_s", time.perf_counter() - t0, "sum")
         return torch.cat(out), pairs.response_lens
+
+    def _score_within_budget(self, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``_score`` in consecutive passes of at most ``TOKEN_BUDGET`` tokens each (a batch of
+        groups may hold more: a group is one request, however long); one pass if it fits."""
+        out: list[torch.Tensor] = []
+        start, tokens = 0, 0
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            n = int(p.numel()) + int(r.numel())
+            if i > start and tokens + n > TOKEN_BUDGET:
+                out += self._score(prompts[start:i], responses[start:i])
+                start, tokens = i, 0
+            tokens += n
+        if start < len(prompts):
+            out += self._score(prompts[start:], responses[start:])
+        return out
 
     def _score(self, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every pair's logprobs; on a sharded replica each rank scores a contiguous share."""

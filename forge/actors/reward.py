@@ -7,9 +7,11 @@ for one of your own, and several can be combined with weights::
     reward = await RewardActor.options(num_replicas=1).as_service({"toy": 1.0})
     r = await reward.score.route((prompt, completion.text))
 
-Callers send one pair each; the replica prebatches them. If a function raises on one pair,
-only that pair's caller gets an error (a ``ValueError`` naming the function and the prompt);
-the rest of the batch is scored normally.
+Callers send one pair each; the replica prebatches them. A caller with a whole group sends it
+as one request, ``reward.score_groups.route((prompt, [c.text for c in completions]))``, and gets
+one reward per response: the controller then pays one request per group, not one per response.
+If a function raises on one pair, only that pair's caller gets an error (a ``ValueError`` naming
+the function and the prompt; in a group, that pair's entry); the rest of the batch is scored.
 """
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ class WeightedReward:
         return score
 
 
+MAX_BATCH_PAIRS = 512
+"""Most (prompt, response) pairs one batch scores."""
+
+
+def group_pairs(group: tuple[Prompt, list[str]]) -> int:
+    """Batching size of a group: its responses, at most a batch (a larger group goes alone)."""
+    return min(MAX_BATCH_PAIRS, len(group[1]))
+
+
 class RewardActor(ForgeActor):
     """Scores pairs with the weighted sum of its reward functions (``WeightedReward``)."""
 
@@ -85,8 +96,15 @@ class RewardActor(ForgeActor):
     async def setup(self) -> None:
         self.reward = WeightedReward(self.reward_fns)
 
-    @endpoint(batch=Batching(max_size=512, max_wait_s=0.002))
+    @endpoint(batch=Batching(max_size=MAX_BATCH_PAIRS, max_wait_s=0.002))
     async def score(self, items: list[tuple[Prompt, str]]) -> list[float | Exception]:
         """The reward of each (prompt, response text) pair; a failing pair fails alone."""
         record_metric("reward/batch_size", len(items))
         return [self.reward.score_one(prompt, text) for prompt, text in items]
+
+    @endpoint(batch=Batching(max_size=MAX_BATCH_PAIRS, max_wait_s=0.002, size_fn=group_pairs))
+    async def score_groups(self, groups: list[tuple[Prompt, list[str]]]) -> list[list[float | Exception]]:
+        """The rewards of each group (a prompt and its responses' texts), one per response in
+        order; a failing pair's entry is its error, and the caller decides what that costs."""
+        record_metric("reward/batch_size", sum(len(texts) for _, texts in groups))
+        return [[self.reward.score_one(prompt, text) for text in texts] for prompt, texts in groups]

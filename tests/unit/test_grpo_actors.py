@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from forge.actors.policy import PackedGroups, PolicyConfig, prompt_key
-from forge.actors.reference_model import PackedPairs, ReferenceModel, length_bucket
+from forge.actors.reference_model import PackedGroupPairs, PackedPairs, ReferenceModel, group_bucket, length_bucket
 from forge.actors.reward import RewardActor, resolve_reward
 from forge.controller import KeyAffinity
 from forge.controller.routing import RouteRequest
@@ -109,6 +109,51 @@ def test_reference_enbatch_and_debatch_round_trip():
         ReferenceModel.split_logprobs((flat, packed.response_lens), 3)
 
 
+def test_reference_group_enbatch_and_debatch_give_each_caller_its_groups_rows_in_order():
+    """pack_groups/split_group_logprobs: two groups in one batch, each back with its own rows."""
+    groups = [
+        (torch.tensor([1, 2]), [torch.tensor([3]), torch.tensor([4, 5])]),
+        (torch.tensor([6]), [torch.tensor([7, 8, 9])]),
+    ]
+    packed = ReferenceModel.pack_groups(groups)
+    assert isinstance(packed, PackedGroupPairs) and packed.group_sizes == [2, 1]
+    prompts, responses = packed.pairs.unpack()
+    assert [p.tolist() for p in prompts] == [[1, 2], [1, 2], [6]]
+    flat = torch.arange(6, dtype=torch.float32)
+    out = ReferenceModel.split_group_logprobs((flat, packed.pairs.response_lens, packed.group_sizes), 2)
+    assert [[t.tolist() for t in g] for g in out] == [[[0.0], [1.0, 2.0]], [[3.0, 4.0, 5.0]]]
+    with pytest.raises(ValueError, match="returned 2 groups of 3 responses and 3 logprob rows for 3 groups"):
+        ReferenceModel.split_group_logprobs((flat, packed.pairs.response_lens, packed.group_sizes), 3)
+
+
+def test_a_group_is_bucketed_by_its_longest_pair():
+    """A group's batch key is the bucket its longest sequence would have had alone."""
+    prompt = torch.zeros(10, dtype=torch.long)
+    long = torch.zeros(400, dtype=torch.long)
+    group = (prompt, [torch.zeros(5, dtype=torch.long), long])
+    assert group_bucket(group) == length_bucket((prompt, long)) > length_bucket((prompt, group[1][0]))
+
+
+def test_reference_scores_a_batch_larger_than_the_token_budget_in_passes_within_it():
+    """A batch of groups over the budget is scored in consecutive passes of at most the budget,
+    every response's row in order."""
+    from forge.actors.reference_model import TOKEN_BUDGET
+
+    passes: list[int] = []
+
+    def score(prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> list[torch.Tensor]:
+        passes.append(sum(int(p.numel()) + int(r.numel()) for p, r in zip(prompts, responses)))
+        return [torch.full((int(r.numel()),), float(r[0])) for r in responses]
+
+    reference = object.__new__(ReferenceModel)  # the passes only: no model, no actor
+    reference._score = score
+    prompt = torch.zeros(100, dtype=torch.long)
+    responses = [torch.full((900,), i, dtype=torch.long) for i in range(40)]  # 40,000 tokens
+    rows = ReferenceModel._score_within_budget(reference, [prompt] * 40, responses)
+    assert [float(r[0]) for r in rows] == [float(i) for i in range(40)]
+    assert sum(passes) == 40_000 and max(passes) <= TOKEN_BUDGET and len(passes) == 3
+
+
 async def test_reference_batches_hold_at_most_a_token_budget_not_a_sequence_count():
     """64 pairs of 700 tokens (the Qwen3 run's truncated responses) run as batches of <= 16,384 tokens."""
     from forge.actors.reference_model import TOKEN_BUDGET
@@ -162,6 +207,23 @@ async def test_reward_actor_weights_functions_and_isolates_failures():
         scores = await actor.score.call_one([(p, "a"), (p, "x"), (p, "b")])
         assert scores[0] == scores[2] == pytest.approx(2.0)
         assert isinstance(scores[1], ValueError) and "fails_on_x" in str(scores[1])
+    finally:
+        await actor.stop()
+
+
+async def test_reward_actor_scores_whole_groups_and_isolates_failures_within_them():
+    """score_groups: one list per group, each response's reward in order; a failing pair's entry
+    is its error, the rest of its group and the other groups are scored."""
+    from monarch.actor import this_proc
+
+    actor = this_proc().spawn("reward_groups", RewardActor, {f"{__name__}:half": 2.0, f"{__name__}:fails_on_x": 1.0})
+    try:
+        await actor.setup.call_one()
+        p, q = _prompt("1="), _prompt("2=")
+        scores = await actor.score_groups.call_one([(p, ["a", "x"]), (q, ["b"])])
+        assert [len(g) for g in scores] == [2, 1]
+        assert scores[0][0] == scores[1][0] == pytest.approx(2.0)
+        assert isinstance(scores[0][1], ValueError) and "fails_on_x" in str(scores[0][1])
     finally:
         await actor.stop()
 

@@ -1,0 +1,82 @@
+"""benchmarks/rollout_scale.py: its smallest cell runs end to end, its keys are the table's, and a
+stand-in role that answers a group with the wrong count stops the rollouts naming the role."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import rollout_scale  # noqa: E402
+
+from apps.grpo.roles import RoleFailed  # noqa: E402
+from apps.grpo.rollouts import Rollouts  # noqa: E402
+from forge.actors.reward import MAX_BATCH_PAIRS, RewardActor, group_pairs  # noqa: E402
+from forge.controller import Batching, endpoint  # noqa: E402
+from forge.types import Prompt  # noqa: E402
+
+
+class ShortReward(RewardActor):
+    """The real reward, less each group's last reward: a role that answers with the wrong count."""
+
+    @endpoint(batch=Batching(max_size=MAX_BATCH_PAIRS, max_wait_s=0.002, size_fn=group_pairs))
+    async def score_groups(self, groups: list[tuple[Prompt, list[str]]]) -> list[list[float | Exception]]:
+        return [[self.reward.score_one(prompt, text) for text in texts[:-1]] for prompt, texts in groups]
+
+
+def test_the_smallest_cell_runs_the_app_path_and_writes_its_table(tmp_path):
+    """Four groups a step through real stand-in services, the real buffer and dataset: every
+    trained sequence is counted, none lost, and the JSON holds the cell."""
+    out = tmp_path / "rollout_scale.json"
+    results = rollout_scale.main(["--sequences", "64", "--replicas", "1", "--steps", "2", "--out", str(out)])
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert cell == results["cells"][0]
+    assert (cell["sequences_per_step"], cell["prompts_per_step"], cell["replicas"]) == (64, 4, 1)
+    assert cell["sequences_trained"] == 128
+    assert cell["sequences_produced"] > 0 and cell["controller_cpu_s"] > 0
+
+
+def test_the_keys_compare_16k_with_512_at_the_most_replicas():
+    """The 16k keys come from the largest replica count; the growth is its 16k cost over its 512 cost."""
+    cells = [
+        {"sequences_per_step": s, "replicas": r, "controller_us_per_sequence": us, "sequences_per_s": sps}
+        for s, r, us, sps in [(512, 2, 10.0, 1.0), (16384, 2, 30.0, 2.0), (512, 8, 20.0, 3.0), (16384, 8, 25.0, 4.0)]
+    ]
+    results = rollout_scale.summary(cells)
+    assert results["controller_us_per_sequence_16k"] == 25.0
+    assert results["sequences_per_s_16k"] == 4.0
+    assert results["controller_cost_growth_16k_vs_512"] == pytest.approx(1.25)
+
+
+async def test_a_policy_that_returns_too_few_completions_fails_the_group_naming_the_role():
+    """A group of 15 completions where the run asked 16 is the policy's error, not a short group;
+    generating it again would repeat it, so it is not recoverable."""
+    roles = await rollout_scale.start_stand_ins(replicas=1, group_size=15)
+    try:
+        rollouts = Rollouts(roles, group_size=16, concurrency=1, max_buffered=1)
+        with pytest.raises(RoleFailed) as caught:
+            await rollouts.one_group(Prompt("p0", "1 + 1", "2"), "p0#0")
+        await rollouts.close()
+    finally:
+        await roles.stop(timeout_s=60)
+    error = caught.value
+    assert error.role == "policy" and not error.recoverable
+    assert "returned 15 completions for a group that needs 16" in str(error)
+
+
+async def test_a_reward_that_returns_too_few_rewards_fails_the_group_naming_the_role():
+    """15 rewards for a group of 16 completions would score the wrong completions if zipped:
+    the group fails, naming the reward and both counts, and is not generated again."""
+    roles = await rollout_scale.start_stand_ins(replicas=1, reward_cls=ShortReward)
+    try:
+        rollouts = Rollouts(roles, group_size=16, concurrency=1, max_buffered=1)
+        with pytest.raises(RoleFailed) as caught:
+            await rollouts.one_group(Prompt("p0", "1 + 1", "2"), "p0#0")
+        await rollouts.close()
+    finally:
+        await roles.stop(timeout_s=60)
+    error = caught.value
+    assert error.role == "reward" and not error.recoverable
+    assert "returned 15 rewards for a group that needs 16" in str(error)
