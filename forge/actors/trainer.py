@@ -97,7 +97,7 @@ class Trainer(ForgeActor):
         self.device = torch.device("cpu")
         self._weight_files = None
         self._checkpoint: checkpoint.PendingCheckpoint | None = None  # the one being written
-        self._checkpoint_group: Any = None  # its background collectives' own process group
+        self._checkpoint_group: Any = None  # its background collectives' own group (None: one rank, none)
 
     @endpoint
     async def setup(self) -> None:
@@ -360,7 +360,7 @@ class Trainer(ForgeActor):
             where=self.rank,
             process_group=self._checkpoint_group,
         )
-        if self._checkpoint_group is None:
+        if not cfg.async_checkpoint:
             return str(pending.wait())
         self._checkpoint = pending
         return str(pending.final)
