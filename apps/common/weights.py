@@ -39,7 +39,15 @@ class ServedWeights:
 class PolicyWeights:
     """The weight sync between one trainer (an SPMD actor mesh) and one policy service."""
 
-    def __init__(self, trainer: Any, policy: Any, transport: str, folder: str, resync_timeout_s: float) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        policy: Any,
+        transport: str,
+        folder: str,
+        resync_timeout_s: float,
+        fetch_timeout_s: float | None = None,
+    ) -> None:
         if transport not in ("file", "message"):
             raise ValueError(f"weight_sync.transport must be 'file' or 'message', got {transport!r}")
         self.trainer = trainer
@@ -47,6 +55,8 @@ class PolicyWeights:
         self.transport = transport
         self.folder = folder
         self.resync_timeout_s = resync_timeout_s
+        self.fetch_timeout_s = fetch_timeout_s
+        """Longest a fetch from the trainer may take (None: no bound): past it the trainer is hung."""
         self.served = ServedWeights()
 
     def use_trainer(self, trainer: Any) -> None:
@@ -56,8 +66,10 @@ class PolicyWeights:
     async def fetch(self) -> tuple[Any, int]:
         """The trainer's current weights, as the transport carries them, and their version."""
         if self.transport == "file":
-            return await call_role("trainer", call_spmd(self.trainer.publish_weights, self.folder))
-        return await call_role("trainer", call_spmd(self.trainer.weights))
+            fetch = call_spmd(self.trainer.publish_weights, self.folder, timeout_s=self.fetch_timeout_s)
+        else:
+            fetch = call_spmd(self.trainer.weights, timeout_s=self.fetch_timeout_s)
+        return await call_role("trainer", fetch)
 
     async def push(self, weights: Any, version: int) -> int:
         """Serve ``weights`` (from ``fetch``) on every healthy policy replica; returns ``version``."""

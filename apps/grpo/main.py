@@ -100,7 +100,12 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         roles = await start_roles(cfg, model_path)
         w = cfg.weight_sync
         roles.weights = PolicyWeights(
-            roles.trainer, roles.policy, w.transport, roles.weights_dir, cfg.faults.max_unhealthy_s
+            roles.trainer,
+            roles.policy,
+            w.transport,
+            roles.weights_dir,
+            cfg.faults.max_unhealthy_s,
+            fetch_timeout_s=cfg.faults.health_timeout_s,
         )
         # A restarted policy replica loads the weights the others serve before it takes traffic.
         roles.policy.set_resync(roles.weights.resync)

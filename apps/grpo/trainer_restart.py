@@ -3,9 +3,11 @@ newest checkpoint.
 
 The trainer's state (weights, optimizer moments, RNG) lives only in its processes; a checkpoint
 (``trainer.checkpoint_every``) is the only copy outside them. So when the trainer's process, or
-one rank's of a ``trainer.procs`` mesh, dies:
+one rank's of a ``trainer.procs`` mesh, dies, or hangs (a call to it unanswered past
+``faults.health_timeout_s``):
 
-1. the whole mesh is stopped (a rank cannot rejoin its process group alone);
+1. the whole mesh is stopped, its processes on this host killed (a rank cannot rejoin its
+   process group alone, and a hung one never stops by itself);
 2. a new mesh of the same shape starts, as the run started it (``roles.start_role``);
 3. it loads the newest complete checkpoint (resharded if need be); the step counter rewinds to
    its step, and every step after it is trained again and logged once (the run's log rewinds
@@ -26,14 +28,18 @@ stops with a message naming every death and how to continue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
-from apps.grpo.faults import RoleWatch, resume_hint
+import psutil
+
+from apps.grpo.faults import RoleWatch, resume_hint, role_processes
 from apps.grpo.roles import RoleFailed, Roles, assign_gpus, call_role, role_specs, start_role
 from forge.checkpoint import latest_checkpoint
-from forge.controller import ForgeActor, ReplicaFailed
+from forge.controller import ForgeActor, ReplicaFailed, RequestTimeout
 from forge.distributed import call_spmd
 
 if TYPE_CHECKING:
@@ -47,8 +53,13 @@ reaped at exit)."""
 
 
 def trainer_died(failure: BaseException) -> bool:
-    """Whether ``failure`` is the trainer's process dying (restartable), not its own code failing."""
-    return isinstance(failure, RoleFailed) and failure.role == "trainer" and isinstance(failure.error, ReplicaFailed)
+    """Whether ``failure`` is the trainer's process dying, or hanging (a call unanswered past
+    ``faults.health_timeout_s``): restartable, unlike its own code failing."""
+    return (
+        isinstance(failure, RoleFailed)
+        and failure.role == "trainer"
+        and isinstance(failure.error, (ReplicaFailed, RequestTimeout))
+    )
 
 
 class TrainerRestarts:
@@ -81,7 +92,7 @@ class TrainerRestarts:
                 self.watch.retire("trainer")  # this error, naming every death, is the run's
                 raise self.give_up()
             logger.warning(
-                "the trainer died (%s); replacing it from %s (restart %d of %d)",
+                "the trainer died or hung (%s); replacing it from %s (restart %d of %d)",
                 failure.detail,
                 path.name,
                 len(self.deaths),
@@ -110,6 +121,9 @@ class TrainerRestarts:
         roles, cfg = self.roles, self.cfg
         old = roles.trainer
         self.watch.retire("trainer")
+        for process in role_processes(os.getpid(), "trainer"):  # a hung (stopped) rank never stops by itself
+            with contextlib.suppress(psutil.Error):
+                process.kill()
         if old is not None:
             try:
                 await asyncio.wait_for(ForgeActor.shutdown(old), STOP_TIMEOUT_S)
@@ -123,6 +137,7 @@ class TrainerRestarts:
         roles.trainer = trainer
         roles.weights.use_trainer(trainer)
         await self.watch.watch_actor("trainer", trainer)
-        step, version, _ = await call_role("trainer", call_spmd(trainer.load_checkpoint, checkpoint))
+        load = call_spmd(trainer.load_checkpoint, checkpoint, timeout_s=cfg.faults.health_timeout_s)
+        step, version, _ = await call_role("trainer", load)
         await roles.weights.sync()
         return step, version

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from apps.grpo.roles import Roles, call_role
 from apps.grpo.rollouts import Rollouts
@@ -50,7 +50,7 @@ async def train(
             groups = await rollouts.take_batch(cfg.prompts_per_step, version)
             t1 = time.perf_counter()
             batch = EpisodeBatch.concat(groups)
-            stats = await call_role("trainer", call_spmd(roles.trainer.train_step, batch))
+            stats = await trainer_call(cfg, roles.trainer.train_step, batch)
             t2 = time.perf_counter()
             version = int(stats["policy_version"])
             weights = await roles.weights.fetch()
@@ -94,19 +94,26 @@ async def train(
                 roles,
             )
             if checkpoint_due(cfg, step):
-                await save_checkpoint(roles, step)
+                await save_checkpoint(cfg, roles, step)
             if cfg.trainer.export_every and step % cfg.trainer.export_every == 0:
                 await export_step(cfg, roles, step, log.started)
         if pushing is not None:
             await pushing
         if cfg.trainer.checkpoint_every:  # the last checkpoint, written in the background, is in place
-            await call_role("trainer", call_spmd(roles.trainer.wait_checkpoint))
+            await trainer_call(cfg, roles.trainer.wait_checkpoint)
         if cfg.trainer.export_final_model:
             await export_final_model(cfg, roles)
     finally:
         if pushing is not None and not pushing.done():
             pushing.cancel()
             await asyncio.gather(pushing, return_exceptions=True)
+
+
+async def trainer_call(cfg: GRPOConfig, endpoint: Any, *args: Any) -> Any:
+    """A call to every trainer rank that fails as a hang (``RequestTimeout``) past
+    ``faults.health_timeout_s``: a stopped rank never answers, and the run replaces the trainer as
+    it replaces one that died (``trainer_restart.py``). Keep it above the longest step."""
+    return await call_role("trainer", call_spmd(endpoint, *args, timeout_s=cfg.faults.health_timeout_s))
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -137,14 +144,14 @@ def checkpoint_due(cfg: GRPOConfig, step: int) -> bool:
     return every > 0 and (step % every == 0 or step == cfg.steps)
 
 
-async def save_checkpoint(roles: Roles, step: int) -> None:
+async def save_checkpoint(cfg: GRPOConfig, roles: Roles, step: int) -> None:
     """The trainer's full state, plus the controller's: the dataset's position. The time the step
     loop waits for it is ``checkpoint_s`` in the next step's row."""
     from forge.observability import record_metric
 
     t0 = time.perf_counter()
     position = await call_role("dataset", roles.dataset.position.call_one())
-    await call_role("trainer", call_spmd(roles.trainer.save_checkpoint, step, {"dataset_position": position}))
+    await trainer_call(cfg, roles.trainer.save_checkpoint, step, {"dataset_position": position})
     record_metric("checkpoint_s", time.perf_counter() - t0, "sum")
 
 

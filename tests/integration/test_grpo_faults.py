@@ -185,6 +185,27 @@ def test_killed_trainer_is_replaced_from_its_checkpoint_and_the_run_completes(tm
     assert last["groups/trained"] >= STEPS * 4, last
 
 
+@pytest.mark.slow  # ~45 s; the replacement itself is in the default suite (the SIGKILL tests above)
+def test_hung_trainer_is_found_by_its_call_timeout_and_replaced(tmp_path: Path) -> None:
+    """SIGSTOP of the trainer after step 3: its next call goes unanswered past
+    faults.health_timeout_s, the run kills it, starts a new trainer from the step-2 checkpoint
+    and completes every step, each logged once, exit 0."""
+    proc = _app(tmp_path, "trainer.checkpoint_every=2", "faults.health_timeout_s=8", "faults.health_interval_s=1")
+    _wait_for_step(proc, tmp_path, 3)
+    (victim,) = role_processes(proc.pid, "trainer")
+    victim.send_signal(signal.SIGSTOP)
+    try:
+        code, out, err = _finish(proc)
+    finally:
+        with contextlib.suppress(Exception):
+            victim.kill()
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[-1]["restarts/trainer"] == 1
+    assert "RequestTimeout" in err and "replacing it from step_00000002" in err, err[-3000:]
+
+
 @pytest.mark.slow  # ~40 s
 def test_trainer_death_stops_the_run_and_says_how_to_resume(tmp_path: Path) -> None:
     """SIGKILL of the trainer after a checkpoint, with no restart allowed: exit 1, and the
