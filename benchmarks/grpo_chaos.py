@@ -1,6 +1,7 @@
 """GRPO chaos report: role processes are killed during a run; does the run lose anything?
 
     python benchmarks/grpo_chaos.py --out grpo_chaos.json [--steps 30] [--kill-every 6]
+    python benchmarks/grpo_chaos.py --target trainer [--trainer-procs 2] --out grpo_chaos_trainer.json
 
 Two runs of the GRPO app (``configs/grpo_tiny.yaml``, 2 policy and 2 reference replicas, the
 same seed and settings), one after the other: an undisturbed one, then one in which every
@@ -18,6 +19,11 @@ by the health probes). Writes JSON with
 - ``extra_wall_s_per_kill``: the training time (sum of step times) the chaos run took beyond
   the undisturbed one, per disruption; and the total wall times;
 - the load average before and after (other jobs on the machine change every figure).
+
+With ``--target trainer`` the disruptions hit the trainer instead (both runs checkpoint every
+``--checkpoint-every`` steps; ``--trainer-procs 2`` kills one rank of two), and the report adds
+``trainer_restarts``, ``steps_retrained`` per disruption (goal: at most ``checkpoint_every``
+each) and ``extra_wall_s_per_trainer_kill``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -42,20 +49,30 @@ from apps.grpo.faults import role_processes  # noqa: E402
 TARGET_ROLES = ("policy", "reference", "reward")
 
 
-def chaos_command(out: Path, steps: int, prompts_per_step: int, seed: int) -> list[str]:
-    """The tiny run with 2 policy and 2 reference replicas and quick health probes."""
+def chaos_command(out: Path, args: argparse.Namespace) -> list[str]:
+    """The tiny run with 2 policy and 2 reference replicas and quick health probes; with
+    ``--target trainer``, checkpoints every ``--checkpoint-every`` steps, ``--trainer-procs``
+    ranks and a restart allowed per disruption."""
+    trainer = []
+    if args.target == "trainer":
+        trainer = [
+            f"trainer.procs={args.trainer_procs}",
+            f"trainer.checkpoint_every={args.checkpoint_every}",
+            f"faults.trainer_max_restarts={args.steps // args.kill_every}",
+        ]
     return app_command(
         "configs/grpo_tiny.yaml",
         out,
-        f"steps={steps}",
-        f"prompts_per_step={prompts_per_step}",
-        f"seed={seed}",
+        f"steps={args.steps}",
+        f"prompts_per_step={args.prompts_per_step}",
+        f"seed={args.seed}",
         "policy.num_replicas=2",
         "reference.num_replicas=2",
         "faults.health_interval_s=1",
         "faults.health_timeout_s=10",
         "faults.restart_backoff_s=0.5",
         "logging.plot=false",
+        *trainer,
     )
 
 
@@ -67,7 +84,7 @@ def read_rows(out: Path) -> list[dict]:
 def run_app(out: Path, args: argparse.Namespace, chaos: bool) -> dict:
     """One app run; with ``chaos``, disrupt a random non-trainer role every ``kill_every`` steps."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = chaos_command(out, args.steps, args.prompts_per_step, args.seed)
+    cmd = chaos_command(out, args)
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rng = random.Random(args.seed)
@@ -81,7 +98,7 @@ def run_app(out: Path, args: argparse.Namespace, chaos: bool) -> dict:
                 time.sleep(0.2)
                 continue
             step = due.pop(0)
-            role = rng.choice(TARGET_ROLES)
+            role = rng.choice(TARGET_ROLES) if args.target == "rollout" else "trainer"
             victims = [v for v in role_processes(proc.pid, role) if v not in stopped]
             if not victims:  # all of its replicas are restarting right now
                 disruptions.append({"step": step, "role": role, "signal": None})
@@ -91,7 +108,8 @@ def run_app(out: Path, args: argparse.Namespace, chaos: bool) -> dict:
             victim.send_signal(sig)
             if sig == signal.SIGSTOP:
                 stopped.append(victim)
-            disruptions.append({"step": step, "role": role, "signal": sig.name, "pid": victim.pid})
+            logged = len(read_rows(out))  # the newest step logged when it was hit
+            disruptions.append({"step": step, "role": role, "signal": sig.name, "pid": victim.pid, "logged": logged})
             print(f"  step {step}: {sig.name} {role} (pid {victim.pid})", flush=True)
         try:
             stdout, stderr = proc.communicate(timeout=args.timeout_s)
@@ -108,7 +126,14 @@ def run_app(out: Path, args: argparse.Namespace, chaos: bool) -> dict:
     rows = read_rows(out)
     if proc.returncode != 0:
         print(f"  exit {proc.returncode}:\n{stderr[-3000:]}", file=sys.stderr)
-    return {"exit_code": proc.returncode, "wall_s": wall_s, "rows": rows, "disruptions": disruptions}
+    restored = [int(m) for m in re.findall(r"the trainer is back at step (\d+)", stderr)]
+    return {
+        "exit_code": proc.returncode,
+        "wall_s": wall_s,
+        "rows": rows,
+        "disruptions": disruptions,
+        "restored_steps": restored,
+    }
 
 
 def tail_reward(rows: list[dict], k: int = 10) -> float:
@@ -144,6 +169,25 @@ def report(args: argparse.Namespace, calm: dict, chaos: dict) -> dict:
         "train_s": train_s,
         "wall_s": {"calm": calm["wall_s"], "chaos": chaos["wall_s"]},
         "extra_wall_s_per_kill": (train_s["chaos"] - train_s["calm"]) / max(1, len(hits)),
+        **(trainer_figures(args, calm, chaos, hits) if args.target == "trainer" else {}),
+    }
+
+
+def trainer_figures(args: argparse.Namespace, calm: dict, chaos: dict, hits: list[dict]) -> dict:
+    """The trainer disruptions' own figures: restarts, the steps trained again after each (the
+    newest step logged when it was hit, less the checkpoint's step the new trainer started
+    from), and the wall time each cost (a restart lies outside every step's ``step_time_s``)."""
+    last = chaos["rows"][-1] if chaos["rows"] else {}
+    restored = chaos["restored_steps"]
+    retrained = [max(0, hit["logged"] - step) for hit, step in zip(hits, restored)]
+    return {
+        "trainer_procs": args.trainer_procs,
+        "checkpoint_every": args.checkpoint_every,
+        "trainer_restarts": int(last.get("restarts/trainer", 0)),
+        "restored_steps": restored,
+        "steps_retrained": retrained,
+        "steps_retrained_max_vs_checkpoint_every": max(retrained, default=0) / args.checkpoint_every,
+        "extra_wall_s_per_trainer_kill": (chaos["wall_s"] - calm["wall_s"]) / max(1, len(hits)),
     }
 
 
@@ -155,6 +199,14 @@ def main() -> None:
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900.0, help="longest one app run may take")
+    parser.add_argument(
+        "--target",
+        choices=("rollout", "trainer"),
+        default="rollout",
+        help="disrupt the rollout side's replicas (policy, reference, reward) or the trainer",
+    )
+    parser.add_argument("--trainer-procs", type=int, default=1, help="the trainer's ranks (--target trainer)")
+    parser.add_argument("--checkpoint-every", type=int, default=3, help="with --target trainer")
     args = parser.parse_args()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="grpo-chaos-") as tmp:
@@ -172,6 +224,7 @@ def main() -> None:
         "groups_duplicated",
         "final_reward_vs_undisturbed",
         "extra_wall_s_per_kill",
+        *(("trainer_restarts", "steps_retrained", "extra_wall_s_per_trainer_kill") if args.target == "trainer" else ()),
     ):
         print(f"{key:>28}: {result[key]}")
     if args.out:
