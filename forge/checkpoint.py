@@ -30,6 +30,7 @@ filesystem every rank shares.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import pickle
@@ -63,6 +64,8 @@ __all__ = [
     "UnsafeCheckpoint",
     "capture_rng",
     "check_fits",
+    "check_space",
+    "checkpoint_bytes",
     "checkpoint_shapes",
     "convert_training_state",
     "latest_checkpoint",
@@ -183,11 +186,24 @@ def start_checkpoint(
         rngs = gather_objects(capture_rng(), where)
         saved = TrainingState(state.step, state.policy_version, rngs, extra, where.world_size)
         _quiet_background_dcp()
-        upload = dcp.async_save(_dcp_state(model, optimizer), checkpoint_id=staging, process_group=process_group)
+        state_dict = _dcp_state(model, optimizer)
+        upload = dcp.async_save(state_dict, checkpoint_id=staging, process_group=process_group)
     except BaseException:
         staged.__exit__(*sys.exc_info())  # the staging folder is removed; the last checkpoint stays
         raise
-    return PendingCheckpoint(final, staging, saved, upload, staged, keep, where)
+    return PendingCheckpoint(final, staging, saved, upload, staged, keep, where, _tensor_bytes(state_dict))
+
+
+def _tensor_bytes(state: Any) -> int:
+    """Bytes of this rank's tensors in a (nested) state dict: what its shard file will hold."""
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in state)
+    return 0
 
 
 class PendingCheckpoint:
@@ -209,6 +225,7 @@ class PendingCheckpoint:
         staged: contextlib.ExitStack,
         keep: int,
         where: SpmdRank,
+        needed: int = 0,
     ) -> None:
         self.final = final
         self.staging = staging
@@ -217,6 +234,7 @@ class PendingCheckpoint:
         self._keep = keep
         self._where = where
         self._finished = threading.Event()
+        self._needed = needed
         self._error: BaseException | None = None
         upload.add_done_callback(self._finish)
 
@@ -247,10 +265,54 @@ class PendingCheckpoint:
                 for old in list_checkpoints(self.final.parent)[: -self._keep]:
                     shutil.rmtree(old, ignore_errors=True)
         except BaseException as exc:
-            self._error = exc
+            self._error = _no_room(exc, self.staging, self._needed) or exc
             self._staged.__exit__(type(exc), exc, exc.__traceback__)  # the staging folder is removed
         finally:
             self._finished.set()
+
+
+def checkpoint_bytes(numel: int, element_size: int) -> int:
+    """About the bytes of one checkpoint of a model of ``numel`` parameters: the weights and
+    AdamW's two moments, each of ``element_size`` bytes (the RNG and training state are small)."""
+    return 3 * numel * element_size
+
+
+def check_space(root: str | os.PathLike, one_checkpoint: int, keep: int) -> None:
+    """Raise ``OSError(ENOSPC)`` unless ``root``'s filesystem has room for ``keep`` checkpoints of
+    ``one_checkpoint`` bytes plus the one being written (the oldest goes only once the new one is
+    in place). ``root`` need not exist yet: its nearest existing parent is checked."""
+    needed = (keep + 1) * one_checkpoint
+    probe = Path(root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"checkpoints under {root} need {_mib(needed)} ({keep} kept of ~{_mib(one_checkpoint)} each, plus the "
+            f"one being written) but {probe} has {_mib(free)} free; give logging.output_dir a filesystem with room, "
+            "lower trainer.keep_checkpoints, or checkpoint less (trainer.checkpoint_every)",
+        )
+
+
+def _no_room(error: BaseException, staging: Path, needed: int) -> OSError | None:
+    """A clear error for a write that ran out of room, else None. DCP wraps the write's error,
+    and torch's zip writer may report a full disk only as a short write, so the test is the
+    room itself: what was still to write did not fit in what is free."""
+    written = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file()) if staging.exists() else 0
+    free = shutil.disk_usage(staging.parent).free
+    said = "No space left on device" in str(error) or getattr(error, "errno", None) == errno.ENOSPC
+    if not said and free >= needed - written:
+        return None
+    return OSError(
+        errno.ENOSPC,
+        f"no room left to write checkpoint {staging.parent}: it needs ~{_mib(needed)}, {_mib(written)} of it were "
+        f"written when the filesystem filled up ({_mib(free)} free); the earlier checkpoints are intact",
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _quiet_background_dcp() -> None:

@@ -151,7 +151,7 @@ def main(
     except Terminated:
         print(f"{app}: terminated (SIGTERM); every role was stopped", file=sys.stderr)
         return EXIT_TERMINATED
-    except (*failures, ForgeError, RuntimeError, FileNotFoundError, ValueError) as exc:
+    except (*failures, ForgeError, RuntimeError, OSError, ValueError) as exc:  # OSError: a full disk, a missing file
         print(f"{app}: FAILED: {exc}", file=sys.stderr)
         return EXIT_FAILED
     print(summary, flush=True)

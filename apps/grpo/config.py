@@ -445,8 +445,9 @@ class GRPOConfig:
         return self.policy.max_tokens * (self.env.max_turns if self.env.cls else 1)
 
     def check_weight_sync_space(self, model_dir: str | Path) -> None:
-        """``check_weight_sync_space`` for this run's sections."""
+        """``check_weight_sync_space`` and ``check_checkpoint_space`` for this run's sections."""
         check_weight_sync_space(self.weight_sync, self.trainer, model_dir)
+        check_checkpoint_space(self.trainer, self.checkpoint_dir, model_dir)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -460,6 +461,23 @@ class GRPOConfig:
     @property
     def max_buffered_groups(self) -> int:
         return self.rollout.max_buffered_groups or self.prompts_per_step * max(1, self.max_policy_age)
+
+
+def check_checkpoint_space(trainer: Any, checkpoint_dir: str, model_dir: str | Path) -> None:
+    """With ``trainer.checkpoint_every``, fail now unless the checkpoint folder has room for
+    ``trainer.keep_checkpoints`` checkpoints plus the one being written (``forge.checkpoint.check_space``)."""
+    if not trainer.checkpoint_every:
+        return
+    import math
+
+    import torch
+
+    from forge.checkpoint import check_space, checkpoint_bytes
+    from forge.generation.weight_sync import checkpoint_spec
+
+    numel = sum(math.prod(shape) for shape in checkpoint_spec(model_dir).values())
+    element = torch.empty((), dtype=getattr(torch, trainer.dtype)).element_size()
+    check_space(checkpoint_dir, checkpoint_bytes(numel, element), trainer.keep_checkpoints)
 
 
 def check_weight_sync_space(weight_sync: WeightSyncSection, trainer: Any, model_dir: str | Path) -> None:

@@ -250,6 +250,9 @@ def prepare_model(cfg: SFTConfig) -> str:
     from apps.grpo.roles import make_model
 
     path = make_model(cfg.model)
+    from apps.grpo.config import check_checkpoint_space
+
+    check_checkpoint_space(cfg.trainer, cfg.checkpoint_dir, path)
     if cfg.eval.generate:
         from apps.grpo.config import check_weight_sync_space
 
