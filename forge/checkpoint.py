@@ -48,7 +48,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from forge.distributed import SpmdRank, barrier, broadcast_object, gather_objects
-from forge.staging import staged_folder
+from forge.staging import free_space, staged_folder
 from forge.unpickling import (
     PlainFullPlanner,
     PlainLoadPlanner,
@@ -282,10 +282,7 @@ def check_space(root: str | os.PathLike, one_checkpoint: int, keep: int) -> None
     ``one_checkpoint`` bytes plus the one being written (the oldest goes only once the new one is
     in place). ``root`` need not exist yet: its nearest existing parent is checked."""
     needed = (keep + 1) * one_checkpoint
-    probe = Path(root)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    probe, free = free_space(root)
     if free < needed:
         raise OSError(
             errno.ENOSPC,

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["staged_folder"]
+__all__ = ["free_space", "staged_folder"]
 
 
 @contextlib.contextmanager
@@ -41,3 +41,12 @@ def staged_folder(final: Path, prefix: str, *, remove_stale: bool = False) -> It
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def free_space(folder: str | os.PathLike) -> tuple[Path, int]:
+    """The nearest existing folder at or above ``folder`` (which need not exist yet) and the bytes
+    free on its filesystem: what a writer about to fill ``folder`` has room for."""
+    probe = Path(folder)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe, shutil.disk_usage(probe).free

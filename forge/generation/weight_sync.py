@@ -151,12 +151,9 @@ def check_file_transport_space(folder: str | Path, needed: int) -> None:
     the sizes and the two ways out: a bigger ``/dev/shm`` or another ``weight_sync.dir``, or
     the ``message`` transport, which needs no disk.
     """
-    import shutil
+    from forge.staging import free_space
 
-    probe = Path(folder)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    probe, free = free_space(folder)
     if free < needed:
         raise ValueError(
             f"weight_sync.transport=file needs {_gib(needed)} free under {folder} (three copies of the "
