@@ -131,9 +131,15 @@ class RoleWatch:
         role = self._actor_meshes.get(mesh)
         if role is None:
             return False
-        died = ReplicaFailed(f"its process died (mesh {mesh})")  # as a call to it would have failed
-        self.loop.call_soon_threadsafe(self.fail, RoleFailed(role, died))
+        self.loop.call_soon_threadsafe(self._mesh_died, mesh, role)
         return True
+
+    def _mesh_died(self, mesh: str, role: str) -> None:
+        """On the loop: a report that raced the mesh's replacement (``retire``) is dropped there."""
+        if mesh in self._retired:
+            return
+        died = ReplicaFailed(f"its process died (mesh {mesh})")  # as a call to it would have failed
+        self.fail(RoleFailed(role, died))
 
     async def watch_services(self, services: dict[str, Any]) -> None:
         """Poll each service's replicas until one role is gone for good (``fail``); forever otherwise."""

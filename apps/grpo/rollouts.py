@@ -134,6 +134,13 @@ class DynamicSampling:
         return metrics
 
 
+def _retrieved(task: asyncio.Task) -> None:
+    """Mark a shielded task's outcome as seen: when the step that awaited it was cancelled, its
+    error (a buffer stopped at shutdown) is not news, and asyncio would log it at exit."""
+    if not task.cancelled():
+        task.exception()
+
+
 class Rollouts:
     """Continuous rollouts: ``concurrency`` workers, each turning one prompt into one group.
 
@@ -213,6 +220,7 @@ class Rollouts:
             # Shielded: a step cancelled meanwhile (its trainer died) still gives back the slots of
             # the groups the buffer handed over or evicted, or the rollouts would stall for good.
             taking = asyncio.ensure_future(self._take(num_groups, version))
+            taking.add_done_callback(_retrieved)  # its error, if its step was cancelled, is the run's to see
             sample = await asyncio.shield(taking)
             if sample.groups is not None:
                 return sample.groups

@@ -79,6 +79,7 @@ async def _trained_and_resumed(model_dir: Path, tmp: Path) -> tuple[dict[str, to
         await first.train_step.call_one(_on_policy_batch(model_dir))
         trained, version = await first.weights.call_one()
         path = await first.save_checkpoint.call_one(1)
+        await first.wait_checkpoint.call_one()  # written in the background
         await second.setup.call_one()
         step, resumed_version, _ = await second.load_checkpoint.call_one(path)
         resumed, _ = await second.weights.call_one()

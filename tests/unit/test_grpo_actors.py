@@ -324,6 +324,7 @@ async def test_trainer_resumed_from_a_checkpoint_continues_exactly(model_dir: Pa
         await original.train_step.call_one(first_batch)
         torch.rand(5)  # the RNG state saved is then not the seed's
         path = await original.save_checkpoint.call_one(1, {"dataset_position": 12})
+        assert await original.wait_checkpoint.call_one() == path  # written in the background
         expected_draw = torch.rand(4)  # actors spawned on this_proc share this process's RNG
         await original.train_step.call_one(second_batch)
         want, want_version = await original.weights.call_one()
@@ -333,6 +334,7 @@ async def test_trainer_resumed_from_a_checkpoint_continues_exactly(model_dir: Pa
         assert (step, version, extra) == (1, 1, {"dataset_position": 12})
         assert torch.equal(torch.rand(4), expected_draw)
         resaved = await resumed.save_checkpoint.call_one(1)
+        await resumed.wait_checkpoint.call_one()
         (w0, o0, _), (w1, o1, _) = read_checkpoint(path), read_checkpoint(resaved)
         assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
         assert o0["state"].keys() == o1["state"].keys() and o0["state"]
@@ -362,6 +364,7 @@ async def test_trainer_refuses_a_checkpoint_of_another_model_shape(model_dir: Pa
         await small.setup.call_one()
         await wide.setup.call_one()
         path = await small.save_checkpoint.call_one(3)
+        await small.wait_checkpoint.call_one()
         shapes = r"model\.embed_tokens\.weight is \[\d+, 64\] in the checkpoint but \[\d+, 128\] in the model"
         with pytest.raises(Exception, match=f"does not fit the model: {shapes}"):
             await wide.load_checkpoint.call_one(path)
