@@ -4,6 +4,7 @@ stand-in role that answers a group with the wrong count stops the rollouts namin
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,10 +51,10 @@ def test_the_keys_compare_16k_with_512_at_the_most_replicas():
     assert results["controller_cost_growth_16k_vs_512"] == pytest.approx(1.25)
 
 
-async def test_a_policy_that_returns_too_few_completions_fails_the_group_naming_the_role():
-    """A group of 15 completions where the run asked 16 is the policy's error, not a short group;
-    generating it again would repeat it, so it is not recoverable."""
-    roles = await rollout_scale.start_stand_ins(replicas=1, group_size=15)
+async def _one_group_failure(**stand_ins: Any) -> RoleFailed:
+    """The error of one group of 16 over one replica of each stand-in role (``stand_ins`` change
+    one of them), through the app's own ``Rollouts.one_group``."""
+    roles = await rollout_scale.start_stand_ins(replicas=1, **stand_ins)
     try:
         rollouts = Rollouts(roles, group_size=16, concurrency=1, max_buffered=1)
         with pytest.raises(RoleFailed) as caught:
@@ -61,7 +62,13 @@ async def test_a_policy_that_returns_too_few_completions_fails_the_group_naming_
         await rollouts.close()
     finally:
         await roles.stop(timeout_s=60)
-    error = caught.value
+    return caught.value
+
+
+async def test_a_policy_that_returns_too_few_completions_fails_the_group_naming_the_role():
+    """A group of 15 completions where the run asked 16 is the policy's error, not a short group;
+    generating it again would repeat it, so it is not recoverable."""
+    error = await _one_group_failure(group_size=15)
     assert error.role == "policy" and not error.recoverable
     assert "returned 15 completions for a group that needs 16" in str(error)
 
@@ -69,14 +76,6 @@ async def test_a_policy_that_returns_too_few_completions_fails_the_group_naming_
 async def test_a_reward_that_returns_too_few_rewards_fails_the_group_naming_the_role():
     """15 rewards for a group of 16 completions would score the wrong completions if zipped:
     the group fails, naming the reward and both counts, and is not generated again."""
-    roles = await rollout_scale.start_stand_ins(replicas=1, reward_cls=ShortReward)
-    try:
-        rollouts = Rollouts(roles, group_size=16, concurrency=1, max_buffered=1)
-        with pytest.raises(RoleFailed) as caught:
-            await rollouts.one_group(Prompt("p0", "1 + 1", "2"), "p0#0")
-        await rollouts.close()
-    finally:
-        await roles.stop(timeout_s=60)
-    error = caught.value
+    error = await _one_group_failure(reward_cls=ShortReward)
     assert error.role == "reward" and not error.recoverable
     assert "returned 15 rewards for a group that needs 16" in str(error)
