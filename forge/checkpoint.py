@@ -362,20 +362,24 @@ def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
 
 
 def check_fits(path: str | os.PathLike, shapes: dict[str, tuple[int, ...]], fix: str) -> None:
-    """A ``ValueError`` naming the first difference if the checkpoint at ``path`` holds other
-    parameter names or shapes than ``shapes`` (a model's, global); ``fix`` says what to do."""
+    """A ``ValueError`` naming both layouts (see ``forge.models.layout``) and the first difference
+    if the checkpoint at ``path`` holds other parameter names or shapes than ``shapes`` (a model's,
+    global); ``fix`` says what to do."""
+    from forge.models.layout import describe_layout
+
     saved = checkpoint_shapes(path)
     missing, unexpected = sorted(shapes.keys() - saved.keys()), sorted(saved.keys() - shapes.keys())
     if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}; {fix}"
-        )
-    for name, shape in shapes.items():
-        if saved[name] != shape:
-            raise ValueError(
-                f"checkpoint {path} does not fit the model: {name} is {list(saved[name])} in the "
-                f"checkpoint but {list(shape)} in the model; {fix}"
-            )
+        difference = f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+    else:
+        name = next((n for n, shape in shapes.items() if saved[n] != shape), None)
+        if name is None:
+            return
+        difference = f"{name} is {list(saved[name])} in the checkpoint but {list(shapes[name])} in the model"
+    raise ValueError(
+        f"checkpoint {path} does not fit the model: {difference}. The checkpoint's layout: "
+        f"{describe_layout(saved)}; the model's: {describe_layout(shapes)}; {fix}"
+    )
 
 
 def load_checkpoint(

@@ -267,3 +267,30 @@ def test_convert_refuses_what_it_cannot_make_plain_and_leaves_the_file(tmp_path)
     with pytest.raises(TypeError, match=r"extra\['when'\] is a pathlib\.PosixPath"):
         convert_training_state(path)
     assert (path / "trainer_state.pt").read_bytes() == before
+
+
+def test_a_checkpoint_of_another_layout_is_refused_naming_both_layouts(tmp_path):
+    """check_fits names the first difference and both sides' layouts (layers, hidden, vocab, size)."""
+    from forge.checkpoint import check_fits
+    from forge.models.layout import describe_layout
+
+    def decoder(layers: int, hidden: int) -> torch.nn.Module:
+        blocks = torch.nn.ModuleDict({"embed_tokens": torch.nn.Embedding(512, hidden)})
+        blocks["layers"] = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+        return torch.nn.ModuleDict({"model": blocks})
+
+    saved = decoder(layers=2, hidden=64)
+    path = save_checkpoint(
+        tmp_path, saved, torch.optim.AdamW(saved.parameters()), TrainingState(step=1, policy_version=1)
+    )
+    own = {name: tuple(t.shape) for name, t in saved.state_dict().items()}
+    check_fits(path, own, "no fix needed")  # its own shapes fit
+    assert describe_layout(own) == "2 layers, hidden 64, vocab 512, 41088 params"
+
+    wider = {name: tuple(t.shape) for name, t in decoder(layers=4, hidden=128).state_dict().items()}
+    with pytest.raises(ValueError, match="use the right model") as info:
+        check_fits(path, wider, "use the right model")
+    message = str(info.value)
+    assert "model.layers.2.weight" in message  # the first difference: layers the checkpoint lacks
+    assert "The checkpoint's layout: 2 layers, hidden 64, vocab 512" in message
+    assert "the model's: 4 layers, hidden 128, vocab 512, 0.1M params" in message

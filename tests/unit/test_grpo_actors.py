@@ -350,7 +350,7 @@ async def test_trainer_resumed_from_a_checkpoint_continues_exactly(model_dir: Pa
 
 
 async def test_trainer_refuses_a_checkpoint_of_another_model_shape(model_dir: Path, tmp_path: Path):
-    """Loading a checkpoint whose tensors have other shapes is an error naming tensor and shapes."""
+    """Loading a checkpoint whose tensors have other shapes is an error naming tensor, shapes and both layouts."""
     from monarch.actor import this_proc
 
     from forge.actors.trainer import Trainer, TrainerConfig
@@ -366,7 +366,8 @@ async def test_trainer_refuses_a_checkpoint_of_another_model_shape(model_dir: Pa
         path = await small.save_checkpoint.call_one(3)
         await small.wait_checkpoint.call_one()
         shapes = r"model\.embed_tokens\.weight is \[\d+, 64\] in the checkpoint but \[\d+, 128\] in the model"
-        with pytest.raises(Exception, match=f"does not fit the model: {shapes}"):
+        layouts = r"The checkpoint's layout: \d+ layers, hidden 64, .*; the model's: \d+ layers, hidden 128, "
+        with pytest.raises(Exception, match=f"does not fit the model: {shapes}\\. {layouts}"):
             await wide.load_checkpoint.call_one(path)
     finally:
         await small.stop()
