@@ -104,6 +104,11 @@ class TrainerSection(Placement, TrainerSettings):
     """The trainer's settings (``forge.actors.trainer.TrainerSettings``), placement and
     checkpointing."""
 
+    min_hosts: int | None = None
+    """Fewest hosts a replaced trainer may run on when hosts were lost: it restarts on as many
+    live hosts as it can get, down to this (the checkpoint reshards to the smaller mesh, and each
+    rank trains a larger share of the step); None: ``hosts`` (a trainer restarts at its own size
+    or not at all)."""
     checkpoint_every: int = 0
     """Save a full checkpoint (weights, optimizer, step, policy version, RNG, dataset position)
     under ``<logging.output_dir>/checkpoints`` every N steps and at the last step; 0 never.
@@ -303,6 +308,7 @@ class GRPOConfig:
                 f"({self.prompts_per_step} x {self.group_size} = {episodes}): each trainer rank trains on an equal "
                 "share of the step's episodes"
             )
+        self._check_min_hosts(episodes)
         if self.trainer.checkpoint_every < 0:
             raise ValueError(
                 f"trainer.checkpoint_every must be >= 0 (0 disables checkpoints), got {self.trainer.checkpoint_every}"
@@ -347,6 +353,18 @@ class GRPOConfig:
             raise ValueError(
                 f"faults.health_timeout_s ({self.faults.health_timeout_s}) must be >= faults.health_interval_s "
                 f"({self.faults.health_interval_s}): a replica is probed every interval and failed after the timeout"
+            )
+
+    def _check_min_hosts(self, episodes: int) -> None:
+        t = self.trainer
+        if t.min_hosts is None:
+            return
+        if not 1 <= t.min_hosts <= t.hosts:
+            raise ValueError(f"trainer.min_hosts must be between 1 and trainer.hosts ({t.hosts}), got {t.min_hosts}")
+        if episodes % (t.min_hosts * t.procs):
+            raise ValueError(
+                f"trainer.min_hosts x trainer.procs ({t.min_hosts} x {t.procs}) must divide prompts_per_step x "
+                f"group_size ({episodes}): a trainer restarted on fewer hosts still splits the step equally"
             )
 
     def _check_data(self) -> None:
@@ -445,7 +463,9 @@ class GRPOConfig:
         return self.policy.max_tokens * (self.env.max_turns if self.env.cls else 1)
 
     def check_weight_sync_space(self, model_dir: str | Path) -> None:
-        """``check_weight_sync_space`` and ``check_checkpoint_space`` for this run's sections."""
+        """``apps.common.space``'s start-up checks of the weight and checkpoint folders, for this run."""
+        from apps.common.space import check_checkpoint_space, check_weight_sync_space
+
         check_weight_sync_space(self.weight_sync, self.trainer, model_dir)
         check_checkpoint_space(self.trainer, self.checkpoint_dir, model_dir)
 
@@ -461,38 +481,3 @@ class GRPOConfig:
     @property
     def max_buffered_groups(self) -> int:
         return self.rollout.max_buffered_groups or self.prompts_per_step * max(1, self.max_policy_age)
-
-
-def check_checkpoint_space(trainer: Any, checkpoint_dir: str, model_dir: str | Path) -> None:
-    """With ``trainer.checkpoint_every``, fail now unless the checkpoint folder has room for
-    ``trainer.keep_checkpoints`` checkpoints plus the one being written (``forge.checkpoint.check_space``)."""
-    if not trainer.checkpoint_every:
-        return
-    import math
-
-    import torch
-
-    from forge.checkpoint import check_space, checkpoint_bytes
-    from forge.generation.weight_sync import checkpoint_spec
-
-    numel = sum(math.prod(shape) for shape in checkpoint_spec(model_dir).values())
-    element = torch.empty((), dtype=getattr(torch, trainer.dtype)).element_size()
-    check_space(checkpoint_dir, checkpoint_bytes(numel, element), trainer.keep_checkpoints)
-
-
-def check_weight_sync_space(weight_sync: WeightSyncSection, trainer: Any, model_dir: str | Path) -> None:
-    """With the file transport, fail now unless the weight folder has room for what the trainer
-    will keep there: three copies of the model's weights in ``trainer.publish_dtype`` (a 64 MB
-    container ``/dev/shm`` against ~11 GB for Qwen3-1.7B in bf16). A no-op for ``message``."""
-    if weight_sync.transport != "file":
-        return
-    import torch
-    from transformers import AutoConfig
-
-    from forge.generation.weight_sync import check_file_transport_space, checkpoint_spec, file_transport_bytes
-
-    config = AutoConfig.from_pretrained(model_dir)
-    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
-    dtype = getattr(torch, trainer.publish_dtype or trainer.dtype)
-    needed = file_transport_bytes(checkpoint_spec(model_dir), dtype, tied=tied)
-    check_file_transport_space(weight_sync.root(), needed)

@@ -133,16 +133,23 @@ def policy_config(cfg: Any, model_path: str, group_size: int, weights_dir: str |
 
 
 async def start_role(
-    spec: RoleSpec, cfg: Any, gpus: dict[str, list[str] | None], host_pool: HostPool | None, **service_options: Any
+    spec: RoleSpec,
+    cfg: Any,
+    gpus: dict[str, list[str] | None],
+    host_pool: HostPool | None,
+    *,
+    hosts: int | None = None,
+    **service_options: Any,
 ) -> Any:
-    """Start one role as its spec and its config section say; returns its handle.
+    """Start one role as its spec and its config section say; returns its handle. ``hosts``:
+    hosts per replica instead of the section's (a trainer replaced on fewer hosts).
     ``service_options``: restart and health options for a service (``fault_options``)."""
     section = getattr(cfg, spec.name)
     options = {
         "name": spec.name,
         "env": {**spec.env, ROLE_ENV: spec.name, **section.env},
         "procs": section.procs,
-        "hosts": section.hosts,
+        "hosts": hosts or section.hosts,
         "host_pool": host_pool,
         "gpus": gpus.get(spec.name),  # None for roles that never take GPUs (env)
         "gpus_per_proc": section.gpus_per_proc,

@@ -8,7 +8,8 @@ one rank's of a ``trainer.procs`` mesh, dies, or hangs (a call to it unanswered 
 
 1. the whole mesh is stopped, its processes on this host killed (a rank cannot rejoin its
    process group alone, and a hung one never stops by itself);
-2. a new mesh of the same shape starts, as the run started it (``roles.start_role``);
+2. a new mesh of the same shape starts, as the run started it (``roles.start_role``), or on
+   fewer hosts when hosts were lost and ``trainer.min_hosts`` allows it;
 3. it loads the newest complete checkpoint (resharded if need be); the step counter rewinds to
    its step, and every step after it is trained again and logged once (the run's log rewinds
    too, as on ``--resume``);
@@ -27,7 +28,6 @@ stops with a message naming every death and how to continue.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -40,6 +40,7 @@ from apps.grpo.faults import RoleWatch, resume_hint, role_processes
 from apps.grpo.roles import RoleFailed, Roles, assign_gpus, call_role, role_specs, start_role
 from forge.checkpoint import latest_checkpoint
 from forge.controller import ForgeActor, ReplicaFailed, RequestTimeout
+from forge.controller.hosts import NotEnoughHosts
 from forge.distributed import call_spmd
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ logger = logging.getLogger("forge.grpo")
 STOP_TIMEOUT_S = 30.0
 """Longest the dead mesh's stop may take before the new one starts anyway (its processes are
 reaped at exit)."""
+LOST_HOST_STOP_TIMEOUT_S = 5.0
+"""The same when a host of the pool is lost: its ranks cannot answer, the live ones stop at once."""
 
 
 def trainer_died(failure: BaseException) -> bool:
@@ -73,6 +76,8 @@ class TrainerRestarts:
         self.limit = cfg.faults.trainer_restarts(cfg.trainer.checkpoint_every)
         self.deaths: list[str] = []
         """What each death of the trainer was, in order (the final message names them all)."""
+        self.hosts = cfg.trainer.hosts
+        """Hosts of the trainer mesh now (fewer than ``trainer.hosts`` after a restart on fewer)."""
         self.restarts = 0
         """New trainer meshes started (``restarts/trainer``); a death while restoring counts too."""
 
@@ -85,7 +90,8 @@ class TrainerRestarts:
         """Replace the trainer after ``failure`` (``trainer_died``); returns (step, policy version)
         of the checkpoint training goes on from. Raises the run's final ``RoleFailed`` when no
         restart is left, there is no checkpoint, or the new trainer dies while it restores."""
-        self.deaths.append(failure.detail)
+        lost = self._lost_hosts()
+        self.deaths.append(f"{failure.detail} (hosts lost: {', '.join(lost)})" if lost else failure.detail)
         while True:
             path = latest_checkpoint(self.cfg.checkpoint_dir)
             if len(self.deaths) > self.limit or path is None:
@@ -93,7 +99,7 @@ class TrainerRestarts:
                 raise self.give_up()
             logger.warning(
                 "the trainer died or hung (%s); replacing it from %s (restart %d of %d)",
-                failure.detail,
+                self.deaths[-1],
                 path.name,
                 len(self.deaths),
                 self.limit,
@@ -124,16 +130,14 @@ class TrainerRestarts:
         for process in role_processes(os.getpid(), "trainer"):  # a hung (stopped) rank never stops by itself
             with contextlib.suppress(psutil.Error):
                 process.kill()
+        lost = self._lost_hosts()
         if old is not None:
             try:
-                await asyncio.wait_for(ForgeActor.shutdown(old), STOP_TIMEOUT_S)
+                # A lost host's ranks never answer the stop: only the live ones' is waited for.
+                await ForgeActor.shutdown(old, timeout_s=LOST_HOST_STOP_TIMEOUT_S if lost else STOP_TIMEOUT_S)
             except Exception as exc:  # a dead rank's mesh may not stop cleanly: its processes are reaped at exit
                 logger.info("the dead trainer's mesh did not stop cleanly: %s", exc)
-        (spec,) = [s for s in role_specs(cfg, self.model_path, roles.weights_dir) if s.name == "trainer"]
-        try:
-            trainer = await start_role(spec, cfg, assign_gpus(cfg), roles.host_pool)
-        except Exception as exc:
-            raise RoleFailed("trainer", exc) from exc
+        trainer = await self._start()
         roles.trainer = trainer
         roles.weights.use_trainer(trainer)
         await self.watch.watch_actor("trainer", trainer)
@@ -141,3 +145,44 @@ class TrainerRestarts:
         step, version, _ = await call_role("trainer", load)
         await roles.weights.sync()
         return step, version
+
+    def _lost_hosts(self) -> list[str]:
+        """The pool's hosts whose worker stopped answering, now marked dead (each named in a warning)."""
+        pool = self.roles.host_pool
+        if pool is None:
+            return []
+        for index in pool.alive():
+            if pool.probe(index) is False:
+                pool.mark_dead(index)
+        return [pool.describe(i) for i in sorted(pool.dead)]
+
+    async def _start(self) -> ForgeActor:
+        """A new trainer mesh: of the run's shape, or on fewer hosts when hosts were lost and
+        ``trainer.min_hosts`` allows it (the largest count the live hosts hold, whose ranks split
+        the step equally)."""
+        cfg, roles = self.cfg, self.roles
+        (spec,) = [s for s in role_specs(cfg, self.model_path, roles.weights_dir) if s.name == "trainer"]
+        wanted, fewest = cfg.trainer.hosts, cfg.trainer.min_hosts or cfg.trainer.hosts
+        episodes = cfg.prompts_per_step * cfg.group_size
+        counts = [h for h in range(wanted, fewest - 1, -1) if episodes % (h * cfg.trainer.procs) == 0]
+        for hosts in counts:
+            try:
+                trainer = await start_role(spec, cfg, assign_gpus(cfg), roles.host_pool, hosts=hosts)
+                break
+            except NotEnoughHosts as exc:
+                if hosts == counts[-1]:
+                    hint = "" if fewest < wanted else "; set trainer.min_hosts to let it restart on fewer hosts"
+                    raise RoleFailed("trainer", f"{exc}{hint}") from exc
+            except Exception as exc:
+                raise RoleFailed("trainer", exc) from exc
+        if hosts < wanted:
+            logger.warning(
+                "the trainer restarts on %d host(s) instead of %d (trainer.min_hosts=%d): the checkpoint reshards "
+                "to %d ranks",
+                hosts,
+                wanted,
+                fewest,
+                hosts * cfg.trainer.procs,
+            )
+        self.hosts = hosts
+        return trainer

@@ -247,15 +247,12 @@ def eval_plan(cfg: SFTConfig, model_path: str) -> EvalPlan | None:
 def prepare_model(cfg: SFTConfig) -> str:
     """The checkpoint folder (the tiny model is made there if the config asks for it); with the
     file transport, checks that the weight folder has room for the weights first."""
+    from apps.common.space import check_checkpoint_space, check_weight_sync_space
     from apps.grpo.roles import make_model
 
     path = make_model(cfg.model)
-    from apps.grpo.config import check_checkpoint_space
-
     check_checkpoint_space(cfg.trainer, cfg.checkpoint_dir, path)
     if cfg.eval.generate:
-        from apps.grpo.config import check_weight_sync_space
-
         check_weight_sync_space(cfg.weight_sync, cfg.trainer, path)
     return str(path.resolve())
 

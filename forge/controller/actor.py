@@ -95,15 +95,17 @@ class ForgeActor(Actor):
         return await ActorLauncher(cls, ActorOptions()).as_service(*args, **kwargs)
 
     @staticmethod
-    async def shutdown(actor: Any) -> None:
-        """Stop an actor mesh made by ``as_actor`` (and its processes), or a service handle."""
+    async def shutdown(actor: Any, timeout_s: float = 30.0) -> None:
+        """Stop an actor mesh made by ``as_actor`` (and its processes), or a service handle.
+        ``timeout_s``: longest an actor mesh's stop may take (a dead host's processes never
+        answer it)."""
         if isinstance(actor, ServiceInterface):
             await actor.shutdown()
             return
         proc_mesh = getattr(actor, "_proc_mesh", None)
         if proc_mesh is None:
             raise TypeError(f"ForgeActor.shutdown needs an actor mesh from as_actor() or a service, got {actor!r}")
-        await await_with_timeout(proc_mesh.stop(), 30.0)
+        await await_with_timeout(proc_mesh.stop(), timeout_s)
 
 
 class ActorLauncher:

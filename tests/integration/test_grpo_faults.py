@@ -288,3 +288,52 @@ async def test_weight_sync_to_a_replica_that_dies_midway_neither_fails_nor_hangs
         assert await replicas[0].call("version", (), {}, 30.0) == 7, "the restarted replica took traffic unsynced"
     finally:
         await svc.shutdown()
+
+
+def test_a_trainer_that_loses_a_host_restarts_on_the_hosts_left(tmp_path: Path) -> None:
+    """The trainer spans two hosts (worker processes on loopback, hosts.job=attach) with
+    trainer.min_hosts=1. SIGKILL of the second host's worker and every process it started, after
+    step 3: the host is found dead, the trainer restarts on the one host left from the newest
+    checkpoint (resharded to one rank), the roles that lived there restart on the first host, and
+    the run completes every step, each logged once, every group accounted for."""
+    import psutil
+
+    from forge.controller.hosts import start_local_worker
+    from tests.unit.controller.test_hosts_spanning import free_port
+
+    ports = [free_port(), free_port()]
+    workers = [start_local_worker(port) for port in ports]
+    try:
+        addresses = ",".join(f"tcp://127.0.0.1:{port}" for port in ports)
+        proc = start_app(
+            tmp_path,
+            "hosts.job=attach",
+            f"hosts.addresses=[{addresses}]",
+            "trainer.hosts=2",
+            "trainer.min_hosts=1",
+            "trainer.checkpoint_every=2",
+            steps=5,
+        )
+        _wait_for_step(proc, tmp_path, 3)
+        _wait_for_checkpoint(proc, tmp_path)
+        lost = psutil.Process(workers[1].pid)
+        for process in [*lost.children(recursive=True), lost]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        code, out, err = _finish(proc)
+    finally:
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                for child in psutil.Process(worker.pid).children(recursive=True):
+                    child.kill()
+            worker.kill()
+            worker.wait(10)
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    assert f"host tcp://127.0.0.1:{ports[1]} is not answering" in err, err[-3000:]
+    assert re.search(rf"\(hosts lost: tcp://127\.0\.0\.1:{ports[1]}\)\); replacing it from step_", err), err[-3000:]
+    assert "the trainer restarts on 1 host(s) instead of 2 (trainer.min_hosts=1)" in err, err[-3000:]
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 6))
+    assert rows[-1]["restarts/trainer"] == 1
+    last = rows[-1]
+    assert last["groups/lost"] == 0 and last["groups/unaccounted"] == 0 and last["groups/duplicates"] == 0, last

@@ -73,6 +73,12 @@ def test_too_few_free_gpus_is_an_error_naming_the_roles():
         (["hosts.job=slurm", "hosts.num_hosts=2", "trainer.hosts=4"], r"more than hosts.num_hosts \(2\)"),
         (["hosts.job=process", "hosts.num_hosts=2", "trainer.hosts=2", "trainer.procs=3"], r"trainer.hosts x "),
         (["policy.gpus_per_proc=0"], r"policy.gpus_per_proc must be >= 1"),
+        (["hosts.job=process", "hosts.num_hosts=2", "trainer.hosts=2", "trainer.min_hosts=3"], r"between 1 and "),
+        (
+            ["hosts.job=process", "hosts.num_hosts=4", "trainer.hosts=4", "trainer.min_hosts=3"]
+            + ["prompts_per_step=5", "group_size=4"],
+            r"trainer.min_hosts x trainer.procs \(3 x 1\) must divide prompts_per_step x group_size \(20\)",
+        ),
     ],
 )
 def test_bad_placement_is_refused_naming_the_keys(overrides, message):
