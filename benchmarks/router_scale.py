@@ -27,7 +27,9 @@ reported, with the peak replica load over the mean at the end as a check that ro
 balances.
 
 Reports ``route_us_per_item_1024_vs_2_replicas``: the worst over the built-in routers of the cost
-per item at 1,024 replicas over the cost at 2 (goal <= 1.5), with each router's ratio.
+per item at 1,024 replicas over the cost at 2 (goal <= 1.5), with each router's ratio. Then the
+same for the work a real ``Service`` does per request before its router
+(``service_candidates_us_1024_vs_2_replicas``: listing the healthy replicas with room).
 Run it on an older checkout's ``forge`` (``PYTHONPATH=old/checkout``) to compare.
 """
 
@@ -164,6 +166,32 @@ def run_once(name: str, num_replicas: int, items: int, overhead_ns: float) -> tu
     return (timed_ns / items - overhead_ns) / 1e3, peak
 
 
+def service_candidates_us(num_replicas: int, items: int, overhead_ns: float) -> float:
+    """µs per request of a real ``Service``'s own look at its replicas before its router's
+    (``_candidates``: the healthy ones with room), over ``num_replicas`` unstarted replicas
+    marked healthy; one replica fails and recovers every 1,000 requests, so the cached list is
+    rebuilt as a service's would be."""
+    from forge.controller import ForgeActor, ReplicaState, endpoint
+    from forge.controller.service import Service
+
+    class Echo(ForgeActor):
+        @endpoint
+        async def echo(self, x: int) -> int:
+            return x
+
+    service = Service(Echo, Echo.options(num_replicas=num_replicas).options, (), {})
+    for replica in service.replicas:
+        replica.state = ReplicaState.HEALTHY
+    clock, timed_ns, flapping = time.perf_counter_ns, 0, service.replicas[-1]
+    for i in range(items):
+        if i % 1000 == 0:
+            flapping.state = ReplicaState.FAILED if flapping.state is ReplicaState.HEALTHY else ReplicaState.HEALTHY
+        t0 = clock()
+        service._candidates(set())
+        timed_ns += clock() - t0
+    return (timed_ns / items - overhead_ns) / 1e3
+
+
 def measure(replica_counts: list[int], items: int, rounds: int) -> tuple[dict, dict, float]:
     overhead = timer_overhead_ns()
     costs: dict[str, dict[int, list[float]]] = {name: {n: [] for n in replica_counts} for name in ROUTERS}
@@ -197,7 +225,19 @@ def main() -> None:
     worst = max(ratios.values())
     print(f"route_us_per_item_1024_vs_2_replicas = {worst:.2f} (worst: {max(ratios, key=ratios.get)}; goal <= 1.5)")
     print("peak load / mean at the end: " + ", ".join(f"{name} {peaks[name][1024]:.2f}" for name in ROUTERS))
+    overhead_ns = timer_overhead_ns()
+    candidates = {
+        n: statistics.median(service_candidates_us(n, args.items, overhead_ns) for _ in range(args.rounds))
+        for n in (2, 1024)
+    }
+    candidates_ratio = candidates[1024] / max(candidates[2], 1e-3)
+    print(
+        f"service candidates: {candidates[2]:.2f} us at 2 replicas, {candidates[1024]:.2f} us at 1024 "
+        f"(service_candidates_us_1024_vs_2_replicas = {candidates_ratio:.2f})"
+    )
     result = {
+        "service_candidates_us": {str(n): us for n, us in candidates.items()},
+        "service_candidates_us_1024_vs_2_replicas": candidates_ratio,
         "route_us_per_item_1024_vs_2_replicas": worst,
         "route_us_per_item_1024_vs_2_replicas_by_router": ratios,
         "route_us_per_item": {name: {str(n): us for n, us in by_n.items()} for name, by_n in costs.items()},

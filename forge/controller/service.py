@@ -116,6 +116,8 @@ class Service:
             Replica(i, dataclasses.replace(spec, gpus=gpus[i]), on_failure=self._on_replica_failed)
             for i in range(options.num_replicas)
         ]
+        self._healthy: list[Replica] = []
+        self._healthy_as_of = -1  # the Replica.state_changes that _healthy was computed at
         self._sessions = Pins()  # svc.session(): each open session's replica
         self._stopped = False
         self._fault_listener = self._on_mesh_failure
@@ -265,14 +267,19 @@ class Service:
         return router
 
     def healthy_replicas(self) -> list[Replica]:
-        return [r for r in self.replicas if r.accepting]
+        """The replicas taking traffic, computed again only after a replica changed state (the
+        list is shared: callers must not change it)."""
+        if self._healthy_as_of != Replica.state_changes:
+            self._healthy = [r for r in self.replicas if r.accepting]
+            self._healthy_as_of = Replica.state_changes
+        return self._healthy
 
     def _candidates(self, exclude: set[tuple[int, int]]) -> list[Replica]:
-        limit = self.options.max_in_flight_per_replica
+        healthy, limit = self.healthy_replicas(), self.options.max_in_flight_per_replica
+        if not exclude and limit is None:
+            return healthy
         return [
-            r
-            for r in self.replicas
-            if r.accepting and (r.replica_id, r.generation) not in exclude and (limit is None or r.in_flight < limit)
+            r for r in healthy if (r.replica_id, r.generation) not in exclude and (limit is None or r.in_flight < limit)
         ]
 
     def choose(self, request: RouteRequest, candidates: list[Replica]) -> Replica:

@@ -119,9 +119,13 @@ async def test_process_exit_inside_endpoint_is_reported_and_replica_restarts():
     try:
         with pytest.raises(ReplicaFailed):
             await bounded(svc.crash.route(), "ReplicaFailed for a call whose process exited", 20)
+        # The healthy list is kept between state changes: it follows them.
+        replicas = svc.service.replicas
+        assert svc.service.healthy_replicas() == [r for r in replicas if r.state is ReplicaState.HEALTHY]
         survivor = svc.work.route_many([1, 2, 3])
         assert await bounded(survivor, "answers from the surviving replica", 20) == [2, 3, 4]
         await until(lambda: all_healthy(svc), "the exited replica to be healthy again", 20)
+        assert svc.service.healthy_replicas() == replicas
         assert sum(r.restarts for r in svc.service.replicas) == 1
     finally:
         await svc.shutdown()
