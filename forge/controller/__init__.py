@@ -37,6 +37,9 @@ from forge.controller.routing import (
     register_router,
 )
 from forge.controller.service import Service
+from forge.controller.wire import install as _install_fast_tensors
+
+_install_fast_tensors()  # small tensors cross processes as numpy arrays (see forge.controller.wire)
 
 __all__ = [
     "ActorLauncher",
