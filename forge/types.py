@@ -66,8 +66,10 @@ class Episode:
 
 
 def _split(flat: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-    """Per-item copies (not views: a view would carry the whole flat storage when sent)."""
-    return [t.clone() for t in torch.split(flat, lengths.tolist())]
+    """Per-item pieces that may each be sent on alone (``forge.controller.wire.split_for_wire``)."""
+    from forge.controller.wire import split_for_wire
+
+    return split_for_wire(flat, lengths.tolist())
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from forge.controller import Batching, ForgeActor, endpoint
+from forge.controller.wire import split_for_wire
 from forge.observability import record_metric
 from forge.types import Completion, Group, Prompt, SampleRequest, TurnRequest, TurnResult
 
@@ -145,17 +146,17 @@ class PackedGroups:
         )
 
     def unpack(self) -> list[Group]:
-        prompt_ids = torch.split(self.prompt_ids, self.prompt_lens)
-        tokens = torch.split(self.token_ids, self.response_lens)
-        logprobs = torch.split(self.logprobs, self.response_lens)
+        prompt_ids = split_for_wire(self.prompt_ids, self.prompt_lens)
+        tokens = split_for_wire(self.token_ids, self.response_lens)
+        logprobs = split_for_wire(self.logprobs, self.response_lens)
         groups = []
         for i, prompt in enumerate(self.prompts):
-            ids = prompt_ids[i].clone()  # copies: a view would carry the whole flat storage
+            ids = prompt_ids[i]
             completions = [
                 Completion(
                     prompt_ids=ids,
-                    token_ids=tokens[j].clone(),
-                    logprobs=logprobs[j].clone(),
+                    token_ids=tokens[j],
+                    logprobs=logprobs[j],
                     text=self.texts[j],
                     policy_version=self.policy_version,
                     finish_reason=self.finish_reasons[j],
@@ -178,12 +179,10 @@ class PackedTurns:
     policy_version: int
 
     def unpack(self) -> list[TurnResult]:
-        tokens = torch.split(self.token_ids, self.lens)
-        logprobs = torch.split(self.logprobs, self.lens)
+        tokens = split_for_wire(self.token_ids, self.lens)
+        logprobs = split_for_wire(self.logprobs, self.lens)
         return [
-            TurnResult(
-                tokens[i].clone(), logprobs[i].clone(), self.texts[i], self.policy_version, self.finish_reasons[i]
-            )
+            TurnResult(tokens[i], logprobs[i], self.texts[i], self.policy_version, self.finish_reasons[i])
             for i in range(len(self.lens))
         ]
 

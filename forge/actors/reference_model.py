@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from forge.controller import Batching, ForgeActor, endpoint
+from forge.controller.wire import split_for_wire
 from forge.distributed import SpmdRank, gather_objects, init_spmd, local_state_bytes, shard_model, shutdown_spmd
 from forge.models import forward_padding_fraction, sequence_logprobs
 from forge.observability import record_metric
@@ -176,11 +177,11 @@ class ReferenceModel(ForgeActor):
 
     @staticmethod
     def split_logprobs(result: tuple[torch.Tensor, list[int]], n: int) -> list[torch.Tensor]:
-        """``logprobs``' debatch: flat logprobs -> one tensor per caller (copies, not views)."""
+        """``logprobs``' debatch: flat logprobs -> one tensor per caller."""
         flat, lengths = result
         if len(lengths) != n:
             raise ValueError(f"ReferenceModel.logprobs returned {len(lengths)} results for {n} pairs")
-        return [t.clone() for t in torch.split(flat, lengths)]
+        return split_for_wire(flat, lengths)
 
     @staticmethod
     def pack_groups(groups: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> PackedGroupPairs:
@@ -196,7 +197,7 @@ class ReferenceModel(ForgeActor):
                 f"ReferenceModel.logprobs_groups returned {len(sizes)} groups of {sum(sizes)} responses and "
                 f"{len(lengths)} logprob rows for {n} groups"
             )
-        rows = [t.clone() for t in torch.split(flat, lengths)]
+        rows = split_for_wire(flat, lengths)
         bounds = [0, *itertools.accumulate(sizes)]
         return [rows[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 

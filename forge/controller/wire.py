@@ -81,3 +81,16 @@ def install() -> bool:
         return False
     _installed = True
     return True
+
+
+def installed() -> bool:
+    """Whether small tensors take the numpy path in this process."""
+    return _installed
+
+
+def split_for_wire(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """``flat`` cut into pieces of ``lengths`` that may each be sent on alone: views when the fast
+    path is on (a view sends only its own elements), else copies (Monarch's path would send a
+    view's whole storage, the flat tensor, with every piece)."""
+    pieces = torch.split(flat, lengths)
+    return list(pieces) if _installed else [piece.clone() for piece in pieces]
