@@ -27,7 +27,6 @@ import asyncio
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,6 @@ from apps.common.roles import QUIET_ENV  # noqa: E402
 from apps.grpo.multiturn import MultiTurnRollouts  # noqa: E402
 from forge.envs import EnvActor, EnvConfig, EnvSessionRouter, SessionAffinity  # noqa: E402
 from forge.envs.base import Action, Environment, StepResult  # noqa: E402
-from forge.observability.metrics import MetricAggregator  # noqa: E402
 from forge.types import Prompt  # noqa: E402
 
 GROUP_SIZE = 16
@@ -94,31 +92,14 @@ async def run_cell(roles: Any, trajectories: int, steps: int, turns: int, turn_t
     rollouts = MultiTurnRollouts(
         roles, GROUP_SIZE, prompts, prompts, max_turns=turns, max_tokens=turn_tokens, max_model_len=max_model_len
     )
-    metrics = MetricAggregator()
     workers = rollouts.start()
     try:
-        step = await rollout_scale.take_step(rollouts, workers, prompts)
-        await rollout_scale.step_books(roles, rollouts, step, metrics)  # warm-up
-        stored0, cpu0, wall0, main0 = (
-            rollouts.counts.stored,
-            time.process_time(),
-            time.perf_counter(),
-            time.thread_time(),
-        )
-        for _ in range(steps):
-            step = await rollout_scale.take_step(rollouts, workers, prompts)
-            await rollout_scale.step_books(roles, rollouts, step, metrics)
-        cpu, wall, main = time.process_time() - cpu0, time.perf_counter() - wall0, time.thread_time() - main0
-        played = (rollouts.counts.stored - stored0) * GROUP_SIZE * turns
+        stored, cpu, wall, main = await rollout_scale.timed_steps(roles, rollouts, workers, prompts, steps)
+        played = stored * GROUP_SIZE * turns
         if rollouts.counts.lost or rollouts.failed_trajectories:
             raise AssertionError(f"cell {cell}: {rollouts.group_counts()}, {rollouts.failed_trajectories} failed")
     finally:
-        for task in workers:
-            task.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-        await rollouts.close()
-        await asyncio.wait_for(asyncio.gather(*(a.stop() for a in roles.local), return_exceptions=True), 30)
-        roles.local = []
+        await rollout_scale.stop_cell(roles, rollouts, workers)
     return {
         "trajectories_per_step": trajectories,
         "turns_per_trajectory": turns,

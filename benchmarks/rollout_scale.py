@@ -200,6 +200,40 @@ async def step_books(roles: Roles, rollouts: Rollouts, groups: list[EpisodeBatch
     row.update(metrics.flush(0))
 
 
+async def timed_steps(
+    roles: Roles,
+    rollouts: Rollouts,
+    workers: list[asyncio.Task],
+    prompts: int,
+    steps: int,
+    profile: cProfile.Profile | None = None,
+) -> tuple[int, float, float, float]:
+    """One warm-up step, then ``steps`` measured ones: groups stored, controller CPU seconds (all
+    threads), wall seconds and the event loop thread's CPU seconds, over the measured steps."""
+    metrics = MetricAggregator()
+    await step_books(roles, rollouts, await take_step(rollouts, workers, prompts), metrics)  # warm-up
+    stored0, cpu0, wall0 = rollouts.counts.stored, time.process_time(), time.perf_counter()
+    main0 = time.thread_time()  # the event loop's thread: Python; the rest is Monarch's runtime
+    if profile is not None:
+        profile.enable()
+    for _ in range(steps):
+        await step_books(roles, rollouts, await take_step(rollouts, workers, prompts), metrics)
+    if profile is not None:
+        profile.disable()
+    cpu, wall, main = time.process_time() - cpu0, time.perf_counter() - wall0, time.thread_time() - main0
+    return rollouts.counts.stored - stored0, cpu, wall, main
+
+
+async def stop_cell(roles: Roles, rollouts: Rollouts, workers: list[asyncio.Task]) -> None:
+    """Stop a cell's rollout workers, its rollouts and its buffer and dataset actors."""
+    for task in workers:
+        task.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
+    await rollouts.close()
+    await asyncio.wait_for(asyncio.gather(*(a.stop() for a in roles.local), return_exceptions=True), 30)
+    roles.local = []
+
+
 async def run_cell(roles: Roles, sequences: int, steps: int, profile: cProfile.Profile | None = None) -> dict[str, Any]:
     """``steps`` measured steps (after one warm-up step) of ``sequences`` sequences each."""
     prompts = sequences // GROUP_SIZE
@@ -207,29 +241,14 @@ async def run_cell(roles: Roles, sequences: int, steps: int, profile: cProfile.P
     await start_local(roles, prompts, cell)
     # The app's defaults: rollout.concurrency = prompts_per_step, max_buffered = prompts_per_step.
     rollouts = Rollouts(roles, GROUP_SIZE, prompts, prompts)
-    metrics = MetricAggregator()
     workers = rollouts.start()
     try:
-        await step_books(roles, rollouts, await take_step(rollouts, workers, prompts), metrics)  # warm-up
-        stored0, cpu0, wall0 = rollouts.counts.stored, time.process_time(), time.perf_counter()
-        main0 = time.thread_time()  # the event loop's thread: Python; the rest is Monarch's runtime
-        if profile is not None:
-            profile.enable()
-        for _ in range(steps):
-            await step_books(roles, rollouts, await take_step(rollouts, workers, prompts), metrics)
-        if profile is not None:
-            profile.disable()
-        cpu, wall, main = time.process_time() - cpu0, time.perf_counter() - wall0, time.thread_time() - main0
-        produced = (rollouts.counts.stored - stored0) * GROUP_SIZE
+        stored, cpu, wall, main = await timed_steps(roles, rollouts, workers, prompts, steps, profile)
+        produced = stored * GROUP_SIZE
         if rollouts.counts.lost:
             raise AssertionError(f"{rollouts.counts.lost} groups lost in cell {cell}: {rollouts.group_counts()}")
     finally:
-        for task in workers:
-            task.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-        await rollouts.close()
-        await asyncio.wait_for(asyncio.gather(*(a.stop() for a in roles.local), return_exceptions=True), 30)
-        roles.local = []
+        await stop_cell(roles, rollouts, workers)
     trained = steps * sequences
     return {
         "sequences_per_step": sequences,

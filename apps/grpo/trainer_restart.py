@@ -76,8 +76,6 @@ class TrainerRestarts:
         self.limit = cfg.faults.trainer_restarts(cfg.trainer.checkpoint_every)
         self.deaths: list[str] = []
         """What each death of the trainer was, in order (the final message names them all)."""
-        self.hosts = cfg.trainer.hosts
-        """Hosts of the trainer mesh now (fewer than ``trainer.hosts`` after a restart on fewer)."""
         self.restarts = 0
         """New trainer meshes started (``restarts/trainer``); a death while restoring counts too."""
 
@@ -151,9 +149,7 @@ class TrainerRestarts:
         pool = self.roles.host_pool
         if pool is None:
             return []
-        for index in pool.alive():
-            if pool.probe(index) is False:
-                pool.mark_dead(index)
+        pool.mark_unreachable()
         return [pool.describe(i) for i in sorted(pool.dead)]
 
     async def _start(self) -> ForgeActor:
@@ -184,5 +180,4 @@ class TrainerRestarts:
                 fewest,
                 hosts * cfg.trainer.procs,
             )
-        self.hosts = hosts
         return trainer

@@ -111,11 +111,7 @@ class HostPool:
         ``NotEnoughHosts`` when the pool is smaller than ``count`` or too few hosts are alive.
         """
         self.check_count(count, who)
-        # A blocking connect, but short: a refused port answers at once, and a silent host costs
-        # PROBE_TIMEOUT_S once (it is dead from then on, and never probed again).
-        for index in self.alive():
-            if self.probe(index) is False:
-                self.mark_dead(index)
+        self.mark_unreachable()
         windows = [list(range(s, s + count)) for s in range(self.size - count + 1)]
         windows = [w for w in windows if not self.dead.intersection(w)]
         if not windows:
@@ -154,6 +150,14 @@ class HostPool:
         if self.addresses is None:
             return None
         return probe_address(self.addresses[index], timeout_s)
+
+    def mark_unreachable(self) -> None:
+        """Probe every live host and mark the ones whose worker refuses or ignores a connection
+        dead. A blocking connect, but short: a refused port answers at once, and a silent host
+        costs PROBE_TIMEOUT_S once (it is dead from then on, and never probed again)."""
+        for index in self.alive():
+            if self.probe(index) is False:
+                self.mark_dead(index)
 
     def mark_dead(self, index: int) -> None:
         if index not in self.dead:

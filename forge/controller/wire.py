@@ -83,11 +83,6 @@ def install() -> bool:
     return True
 
 
-def installed() -> bool:
-    """Whether small tensors take the numpy path in this process."""
-    return _installed
-
-
 def split_for_wire(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     """``flat`` cut into pieces of ``lengths`` that may each be sent on alone: views when the fast
     path is on (a view sends only its own elements), else copies (Monarch's path would send a
