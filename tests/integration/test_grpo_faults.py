@@ -107,7 +107,9 @@ def test_multiturn_run_outlives_its_env_and_policy_replicas_dying_mid_trajectory
     turn is resent to the restarted policy replica, and a trajectory whose episode died with the
     env replica is played again with its group (``groups/regenerated``), never counted as the
     environment's failure. The run completes every step with every group accounted for."""
-    proc = start_app(tmp_path, steps=STEPS, config="configs/multiturn_tiny.yaml")
+    # Env steps of 0.25 s keep the trajectories between turns when the kills land (see slow_env).
+    slow_env = "env.cls=tests.integration.slow_env:SlowReverseWithFeedback"
+    proc = start_app(tmp_path, slow_env, steps=STEPS, config="configs/multiturn_tiny.yaml")
     for step, role in ((2, "env"), (4, "policy")):
         # 0.5 s into the next step: its groups' trajectories are playing their turns.
         _kill_role_at_step(proc, tmp_path, step, role, after_s=0.5)
