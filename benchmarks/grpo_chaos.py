@@ -20,6 +20,12 @@ by the health probes). Writes JSON with
   the undisturbed one, per disruption; and the total wall times;
 - the load average before and after (other jobs on the machine change every figure).
 
+``--repeats N`` runs N such pairs, with seeds ``seed`` .. ``seed + N - 1``: the report keeps each
+pair's figures under ``pairs`` and sums or pools them at the top (``final_reward_vs_undisturbed``
+is then the chaos runs' mean final reward over the undisturbed runs', and
+``final_reward_vs_undisturbed_per_pair`` lists each pair's). One pair's ratio carries the noise of
+two short runs of a rising curve; pooling pairs measures the disruptions' effect instead.
+
 With ``--target trainer`` the disruptions hit the trainer instead (both runs checkpoint every
 ``--checkpoint-every`` steps; ``--trainer-procs 2`` kills one rank of two), and the report adds
 ``trainer_restarts``, ``steps_retrained`` per disruption (goal: at most ``checkpoint_every``
@@ -191,6 +197,37 @@ def trainer_figures(args: argparse.Namespace, calm: dict, chaos: dict, hits: lis
     }
 
 
+def pooled(args: argparse.Namespace, pairs: list[dict]) -> dict:
+    """Several pairs' reports as one: counts summed, worst cases kept, rewards pooled."""
+    chaos_reward = sum(p["final_reward"] for p in pairs) / len(pairs)
+    calm_reward = sum(p["undisturbed_final_reward"] for p in pairs) / len(pairs)
+    result = {
+        "steps": args.steps,
+        "repeats": len(pairs),
+        "seeds": [args.seed + i for i in range(len(pairs))],
+        "steps_completed": min(p["steps_completed"] for p in pairs),
+        "step_numbers_match": all(p["step_numbers_match"] for p in pairs),
+        "exit_code": next((p["exit_code"] for p in pairs if p["exit_code"] != 0), 0),  # the first failure's
+        "restarts": {role: sum(p["restarts"][role] for p in pairs) for role in TARGET_ROLES},
+        "groups_lost": sum(p["groups_lost"] for p in pairs),
+        "groups_duplicated": sum(p["groups_duplicated"] for p in pairs),
+        "final_reward": chaos_reward,
+        "undisturbed_final_reward": calm_reward,
+        "final_reward_vs_undisturbed": chaos_reward / max(calm_reward, 1e-9),
+        "final_reward_vs_undisturbed_per_pair": [p["final_reward_vs_undisturbed"] for p in pairs],
+        "extra_wall_s_per_kill": sum(p["extra_wall_s_per_kill"] for p in pairs) / len(pairs),
+        "pairs": pairs,
+    }
+    if args.target == "trainer":
+        result["trainer_restarts"] = sum(p["trainer_restarts"] for p in pairs)
+        result["steps_retrained"] = [n for p in pairs for n in p["steps_retrained"]]
+        result["steps_retrained_max_vs_checkpoint_every"] = max(
+            p["steps_retrained_max_vs_checkpoint_every"] for p in pairs
+        )
+        result["extra_wall_s_per_trainer_kill"] = sum(p["extra_wall_s_per_trainer_kill"] for p in pairs) / len(pairs)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the JSON report here")
@@ -207,14 +244,22 @@ def main() -> None:
     )
     parser.add_argument("--trainer-procs", type=int, default=1, help="the trainer's ranks (--target trainer)")
     parser.add_argument("--checkpoint-every", type=int, default=3, help="with --target trainer")
+    parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, seeds seed .. seed+repeats-1")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     load_before = os.getloadavg()
+    pairs = []
     with tempfile.TemporaryDirectory(prefix="grpo-chaos-") as tmp:
-        print("undisturbed run ...", flush=True)
-        calm = run_app(Path(tmp) / "calm", args, chaos=False)
-        print("chaos run ...", flush=True)
-        chaos = run_app(Path(tmp) / "chaos", args, chaos=True)
-    result = report(args, calm, chaos)
+        for i in range(args.repeats):
+            pair_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
+            print(f"seed {pair_args.seed}: undisturbed run ...", flush=True)
+            calm = run_app(Path(tmp) / f"calm-{i}", pair_args, chaos=False)
+            print(f"seed {pair_args.seed}: chaos run ...", flush=True)
+            chaos = run_app(Path(tmp) / f"chaos-{i}", pair_args, chaos=True)
+            pairs.append(report(pair_args, calm, chaos))
+            print(f"seed {pair_args.seed}: final_reward_vs_undisturbed {pairs[-1]['final_reward_vs_undisturbed']:.3f}")
+    result = pairs[0] if args.repeats == 1 else pooled(args, pairs)
     result["load_avg_before"], result["load_avg_after"] = load_before, os.getloadavg()
     for key in (
         "steps_completed",
