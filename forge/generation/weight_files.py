@@ -27,10 +27,12 @@ first file is made): whoever can write it could give the policy other weights.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import mmap
 import os
+import shutil
 import struct
 import time
 from collections.abc import Iterator, Mapping
@@ -216,9 +218,7 @@ class WeightFiles:
             self.close()
         if not self._files:
             private_folder(self.folder)  # made 0700 if missing; a folder others control is refused
-            for k in range(self.slots):
-                self._files.append(_Slot(self.folder / f"weights-{os.getpid()}-{k}.safetensors", state))
-            self._order = list(range(self.slots))
+            self._create_slots(state)
         slot = self._acquire()
         try:
             self._files[slot].write(state, version)
@@ -227,6 +227,29 @@ class WeightFiles:
         self._order.remove(slot)
         self._order.append(slot)
         return str(self._files[slot].path)
+
+    def _create_slots(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Write the ``slots`` files once. A filesystem that fills up meanwhile leaves no file
+        behind and raises ``OSError(ENOSPC)`` naming the folder, the bytes needed and those free
+        (safetensors reports it as its own error type, with the OS's words inside)."""
+        try:
+            for k in range(self.slots):
+                self._files.append(_Slot(self.folder / f"weights-{os.getpid()}-{k}.safetensors", state))
+        except Exception as error:
+            partial = self.folder / f"weights-{os.getpid()}-{len(self._files)}.safetensors"
+            self.close()
+            partial.unlink(missing_ok=True)
+            if "No space left on device" not in str(error) and getattr(error, "errno", None) != errno.ENOSPC:
+                raise
+            one = sum(t.numel() * t.element_size() for t in state.values())
+            raise OSError(
+                errno.ENOSPC,
+                f"no room left in weight folder {self.folder}: its {self.slots} weight files need "
+                f"{self.slots * one / 2**20:.1f} MiB ({one / 2**20:.1f} MiB each) and the filesystem has "
+                f"{shutil.disk_usage(self.folder).free / 2**20:.1f} MiB free; set weight_sync.dir to a folder with "
+                "room, or weight_sync.transport=message",
+            ) from error
+        self._order = list(range(self.slots))
 
     def _acquire(self) -> int:
         """Lock the least recently written file no reader holds (never the newest), for writing."""

@@ -1,6 +1,6 @@
-"""Checkpoints and full disks: a start-up check names the folder, the bytes needed and those free,
-and a write that runs out of room on a real small filesystem fails clearly and leaves the last good
-checkpoint as it was."""
+"""Full disks: a start-up check names the checkpoint folder, the bytes needed and those free; a
+checkpoint write that runs out of room on a real small filesystem fails clearly and leaves the last
+good checkpoint as it was; weight files that do not fit fail the same way and leave nothing behind."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from forge.checkpoint import TrainingState, check_space, latest_checkpoint, load_checkpoint, save_checkpoint
+from forge.generation.weight_files import WeightFiles
 
 
 def test_the_start_up_check_names_the_folder_and_the_bytes_needed_and_free(tmp_path: Path) -> None:
@@ -60,3 +61,16 @@ def test_a_checkpoint_that_fills_a_real_small_filesystem_fails_clearly_and_keeps
             fresh.weight.zero_()
         assert load_checkpoint(latest_checkpoint(root), fresh, fresh_opt).step == 1
         assert torch.equal(fresh.weight, small.weight)
+
+
+def test_weight_files_that_do_not_fit_a_real_small_filesystem_fail_clearly_and_leave_nothing(tmp_path: Path) -> None:
+    with _small_filesystem(tmp_path / "small", "4m") as root:
+        folder = root / "weights"
+        files = WeightFiles(folder)
+        state = {"w": torch.ones(512, 1024)}  # 2 MiB a file: the first fits, the second does not
+        with pytest.raises(OSError, match=r"no room left in weight folder .*weights: its 3 weight files need 6.0 MiB "):
+            files.write(state, 1)
+        assert list(folder.iterdir()) == []
+        files.write({"w": torch.ones(64, 64)}, 1)  # a model that fits: the writer is still usable
+        assert len(list(folder.iterdir())) == 3
+        files.close()
