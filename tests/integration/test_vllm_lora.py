@@ -38,7 +38,7 @@ def _adapter(model_dir: Path, folder: Path, seed: int) -> torch.nn.Module:
     model = inject(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), SETTINGS, str(model_dir))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
     write_adapter_folder(folder, adapter_tensors(model, model.state_dict()), SETTINGS, str(model_dir))
