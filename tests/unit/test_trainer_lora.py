@@ -154,3 +154,43 @@ async def test_reference_from_the_base_equals_a_frozen_reference_role(model_dir:
     finally:
         await _stop(trainer)
         await reference.stop()
+
+
+def _grpo(*overrides: str):
+    from apps.grpo.config import GRPOConfig
+    from forge.config import load_config
+
+    return load_config(GRPOConfig, "configs/grpo_tiny_lora.yaml", list(overrides))
+
+
+def test_the_lora_app_config_takes_the_reference_from_the_base_unless_told_otherwise():
+    """``configs/grpo_tiny_lora.yaml``: ``reference.from_base`` defaults to true with LoRA (no
+    reference role is specified), false without it; ``reference.from_base=false`` keeps the role."""
+    from apps.grpo.roles import role_specs
+
+    cfg = _grpo()
+    assert cfg.ref_from_base and cfg.trainer.lora.rank == 16
+    names = [s.name for s in role_specs(cfg, "models/tiny")]
+    assert "reference" not in names and "trainer" in names
+    assert "reference" in [s.name for s in role_specs(_grpo("reference.from_base=false"), "models/tiny")]
+    assert not _grpo("trainer.lora=null").ref_from_base
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("trainer.lora.rank=32", "policy.max_lora_rank=16"),
+            r"trainer\.lora\.rank \(32\) is above policy\.max_lora_rank \(16\)",
+        ),
+        (("trainer.lora.rank=0",), r"trainer\.lora\.rank must be an integer >= 1, got 0"),
+        (("trainer.lora.alpha=0",), r"trainer\.lora\.alpha must be a number > 0, got 0"),
+        (("trainer.lora=null", "reference.from_base=true"), r"reference\.from_base needs trainer\.lora"),
+        (("policy.engine_mode=async",), r"trainer\.lora needs policy\.engine_mode 'batched'"),
+    ],
+)
+def test_bad_lora_settings_in_the_app_config_name_the_values(overrides: tuple[str, ...], message: str):
+    """A rank above ``policy.max_lora_rank``, a rank or alpha that is not positive, ``from_base``
+    without an adapter, or the async engine with LoRA: an error at load naming the values."""
+    with pytest.raises(Exception, match=message):
+        _grpo(*overrides)
