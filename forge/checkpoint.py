@@ -7,6 +7,8 @@ A checkpoint is a folder ``<root>/step_<N>/`` holding
   tensor's global shape to the shards. State dicts come from
   ``torch.distributed.checkpoint.state_dict`` (parameter names, not ids), so a checkpoint loads
   into any world size: 2 ranks -> 1, 1 -> 2.
+  A model with frozen parameters (a LoRA adapter over a frozen base) is checkpointed by its
+  trainable tensors and their optimizer state alone; the base is the model's own checkpoint.
 - ``trainer_state.pt``: step, policy version, every rank's RNG states, the caller's extra state
   (e.g. the dataset position), and the world size it was written by.
 

@@ -31,6 +31,12 @@ weights, optimizer state (each rank writes its shard), step, policy version and 
 states, so a resumed trainer with the same number of ranks takes exactly the step the killed one
 would have taken on the same batch. They load into another number of ranks too. The caller adds
 its own state as ``extra``.
+
+With ``TrainerConfig.lora`` the model is a PEFT model over the frozen checkpoint
+(``forge.models.lora``, injected before sharding): the optimizer, the checkpoints and the
+published weights hold the adapter alone, ``export_model`` writes the merged model and the
+adapter, and with ``ref_from_base`` the loss's reference is the base with the adapter off
+(``forge.actors.trainer_lora``).
 """
 
 from __future__ import annotations
