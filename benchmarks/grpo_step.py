@@ -352,17 +352,18 @@ async def measure_adapter_sync(cfg: Any, repeats: int, rank: int) -> dict[str, A
                 trainer_config(c, model_path)
             )
             started.append(trainer)
-            syncs[name] = PolicyWeights(trainer, policy, c.weight_sync.transport, str(folder.path), 120.0)
+            transport, timeout = c.weight_sync.transport, 120.0  # every call across processes is bounded
+            syncs[name] = PolicyWeights(trainer, policy, transport, str(folder.path), timeout, fetch_timeout_s=timeout)
         out: dict[str, Any] = {"adapter_rank": rank, "transport": cfg.weight_sync.transport}
         for name, sync in syncs.items():
-            weights, _ = await call_spmd(sync.trainer.weights)
+            weights, _ = await call_spmd(sync.trainer.weights, timeout_s=120.0)
             out[f"{name}_sync_bytes"] = sum(t.numel() * t.element_size() for t in weights.values())
-            await sync.sync()  # warm-up: the first file, the first adapter load
+            await asyncio.wait_for(sync.sync(), 120.0)  # warm-up: the first file, the first adapter load
         times: dict[str, list[float]] = {name: [] for name in syncs}
         for _ in range(repeats):
             for name, sync in syncs.items():
                 t0 = time.perf_counter()
-                await sync.sync()
+                await asyncio.wait_for(sync.sync(), 120.0)
                 times[name].append(time.perf_counter() - t0)
         for name in syncs:
             out[f"{name}_sync_s"] = statistics.median(times[name])
