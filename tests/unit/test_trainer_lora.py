@@ -91,7 +91,9 @@ async def test_two_rank_lora_trains_checkpoints_and_exports_only_the_adapter(mod
             _start_in_process(_config(model_dir)),
             _start(2, _config(model_dir, tmp_path / "ckpt", micro_batch_size=2)),
         )
-        s1, s2 = await asyncio.gather(call_spmd(one.train_step, batch), call_spmd(two.train_step, batch))
+        s1, s2 = await asyncio.gather(
+            call_spmd(one.train_step, batch, timeout_s=120), call_spmd(two.train_step, batch, timeout_s=120)
+        )
         for name in ("loss", "pg_loss", "kl"):
             assert_close_to_scale(s2[name], s1[name], 1e-5, scale=1.0, what=name)
         (w1, v1), (w2, v2) = await asyncio.gather(call_spmd(one.weights), call_spmd(two.weights))
@@ -143,13 +145,13 @@ async def test_reference_from_the_base_equals_a_frozen_reference_role(model_dir:
     trainer = None
     try:
         trainer = await _start(2, _config(model_dir))
-        await reference.setup.call_one()
-        await call_spmd(trainer.train_step, batch)
+        await asyncio.wait_for(reference.setup.call_one(), 120)
+        await call_spmd(trainer.train_step, batch, timeout_s=120)
         got = await call_spmd(trainer.reference_logprobs, pairs, timeout_s=120)
-        flat, lengths = await reference.logprobs.call_one(pairs)
+        flat, lengths = await asyncio.wait_for(reference.logprobs.call_one(pairs), 120)
         assert [len(t) for t in got] == lengths
         assert_close_to_scale(torch.cat(got), flat, what="reference logprobs")
-        stats = await call_spmd(trainer.train_step, batch)  # the adapter has moved: a KL above 0
+        stats = await call_spmd(trainer.train_step, batch, timeout_s=120)  # the adapter has moved: a KL above 0
         assert stats["kl"] > 0
     finally:
         await _stop(trainer)
