@@ -30,6 +30,14 @@ one to read the weight-sync figures on (a KV cache of 128 MiB holds its batch in
         model.path=models/medium model.tiny.hidden_size=512 model.tiny.num_layers=6 \\
         prompts_per_step=16 policy.max_tokens=32 policy.kv_cache_bytes=134217728
 
+LoRA (``--adapter-sync RANK``, on its own): a full-weight trainer + policy and a LoRA trainer +
+policy (an adapter of that rank on q/k/v/o, vLLM serving it) on the same model, their syncs
+alternating. ``adapter_sync_bytes_vs_full``: the bytes an adapter version moves / a full
+version's (goal <= 0.05); ``adapter_sync_s_vs_full_sync_s``: the seconds of one sync, the same
+way (goal <= 0.3)::
+
+    python benchmarks/grpo_step.py --config configs/grpo_medium.yaml --adapter-sync 8 --out adapter_sync.json
+
 Prints a table and writes everything as JSON with ``--out``.
 """
 
@@ -311,6 +319,77 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
     return result
 
 
+async def measure_adapter_sync(cfg: Any, repeats: int, rank: int) -> dict[str, Any]:
+    """A full-weight trainer + policy and a LoRA (``rank``, on the attention projections) trainer +
+    policy on the same model, started as the app starts them; their syncs (``PolicyWeights.sync``,
+    the configured transport) alternate, so load drift on shared cores hits both alike. Bytes are
+    what the sync moves: the state dict, or the adapter's tensors."""
+    import copy
+
+    from apps.common.roles import POLICY_ENV, QUIET_ENV
+    from apps.grpo.roles import policy_config, trainer_config
+    from forge.actors import Policy, Trainer
+    from forge.controller import ForgeActor
+    from forge.generation.weight_folder import RunFolder
+    from forge.models.lora import LoraSettings
+
+    model_path = prepare_model(cfg)
+    lora_cfg = copy.deepcopy(cfg)
+    lora_cfg.trainer.lora = LoraSettings(rank=rank, alpha=2.0 * rank)
+    started: list[Any] = []
+    folders: list[Any] = []
+    try:
+        syncs: dict[str, PolicyWeights] = {}
+        for name, c in (("full", cfg), ("adapter", lora_cfg)):
+            folder = RunFolder.create(c.weight_sync.root())
+            folders.append(folder)
+            env = {"OMP_NUM_THREADS": "1"}
+            policy = await Policy.options(name=f"policy_{name}", env={**POLICY_ENV, **env}).as_service(
+                policy_config(c, model_path, c.group_size, str(folder.path))
+            )
+            started.append(policy)
+            trainer = await Trainer.options(name=f"trainer_{name}", env={**QUIET_ENV, **env}).as_actor(
+                trainer_config(c, model_path)
+            )
+            started.append(trainer)
+            transport, timeout = c.weight_sync.transport, 120.0  # every call across processes is bounded
+            syncs[name] = PolicyWeights(trainer, policy, transport, str(folder.path), timeout, fetch_timeout_s=timeout)
+        out: dict[str, Any] = {"adapter_rank": rank, "transport": cfg.weight_sync.transport}
+        for name, sync in syncs.items():
+            weights, _ = await call_spmd(sync.trainer.weights, timeout_s=120.0)
+            out[f"{name}_sync_bytes"] = sum(t.numel() * t.element_size() for t in weights.values())
+            await asyncio.wait_for(sync.sync(), 120.0)  # warm-up: the first file, the first adapter load
+        times: dict[str, list[float]] = {name: [] for name in syncs}
+        for _ in range(repeats):
+            for name, sync in syncs.items():
+                t0 = time.perf_counter()
+                await asyncio.wait_for(sync.sync(), 120.0)
+                times[name].append(time.perf_counter() - t0)
+        for name in syncs:
+            out[f"{name}_sync_s"] = statistics.median(times[name])
+        out["adapter_sync_bytes_vs_full"] = out["adapter_sync_bytes"] / out["full_sync_bytes"]
+        out["adapter_sync_s_vs_full_sync_s"] = out["adapter_sync_s"] / out["full_sync_s"]
+        out["repeats"] = repeats
+        return out
+    finally:
+        for handle in started:
+            stop = handle.shutdown() if hasattr(handle, "route_many") else ForgeActor.shutdown(handle)
+            try:
+                await asyncio.wait_for(stop, 60)
+            except Exception as exc:  # a role that does not stop is reaped at exit
+                print(f"stopping a role failed: {exc}", file=sys.stderr)
+        for folder in folders:
+            folder.close()
+
+
+def print_adapter_table(result: dict[str, Any]) -> None:
+    print(f"\nWeight sync, full weights vs a rank-{result['adapter_rank']} LoRA adapter ({result['transport']})")
+    for name in ("full", "adapter"):
+        print(f"{name:<8}{result[f'{name}_sync_bytes'] / 1e6:>10.3f} MB{result[f'{name}_sync_s'] * 1e3:>10.1f} ms")
+    print(f"adapter_sync_bytes_vs_full     {result['adapter_sync_bytes_vs_full']:.4f}  (goal <= 0.05)")
+    print(f"adapter_sync_s_vs_full_sync_s  {result['adapter_sync_s_vs_full_sync_s']:.4f}  (goal <= 0.3)")
+
+
 def print_table(result: dict[str, Any]) -> None:
     print(
         f"\nGRPO step breakdown (median of {result['steps']} steps, {result['step_time_s'] * 1e3:.0f} ms/step, "
@@ -368,6 +447,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=15, help="rollout rounds timed for the throughput ratio (medians)"
     )
+    parser.add_argument(
+        "--adapter-sync",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="measure only the weight sync of a full trainer against a LoRA trainer of this rank, side by side",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = parser.parse_args(argv)
@@ -377,9 +463,12 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(GRPOConfig, args.config, args.overrides)
     load_before = os.getloadavg()[0]  # other tenants of shared cores move every figure: record it
-    result = asyncio.run(run(cfg, args.steps, args.rounds))
+    if args.adapter_sync:
+        result = asyncio.run(measure_adapter_sync(cfg, max(args.steps, 5), args.adapter_sync))
+    else:
+        result = asyncio.run(run(cfg, args.steps, args.rounds))
     result["load_avg_1m_before"], result["load_avg_1m_after"] = load_before, os.getloadavg()[0]
-    print_table(result)
+    (print_adapter_table if args.adapter_sync else print_table)(result)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(f"\nwrote {args.out}")

@@ -7,6 +7,8 @@ A checkpoint is a folder ``<root>/step_<N>/`` holding
   tensor's global shape to the shards. State dicts come from
   ``torch.distributed.checkpoint.state_dict`` (parameter names, not ids), so a checkpoint loads
   into any world size: 2 ranks -> 1, 1 -> 2.
+  A model with frozen parameters (a LoRA adapter over a frozen base) is checkpointed by its
+  trainable tensors and their optimizer state alone; the base is the model's own checkpoint.
 - ``trainer_state.pt``: step, policy version, every rank's RNG states, the caller's extra state
   (e.g. the dataset position), and the world size it was written by.
 
@@ -71,6 +73,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "model_shapes",
     "read_checkpoint",
     "read_training_state",
     "restore_rng",
@@ -115,13 +118,41 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _state_options(model: torch.nn.Module) -> Any:
+    """DCP's state-dict options for ``model``: a model with frozen parameters (a LoRA adapter
+    over a frozen base) is checkpointed by its trainable tensors alone, and loads them alone:
+    the frozen base is the model's own checkpoint, which the trainer loads anyway."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Global shape of every model tensor a checkpoint of ``model`` holds, by name (trainable
+    ones only for a model with frozen parameters): what ``check_fits`` compares."""
+    # A sharded parameter is a DTensor whose .shape is the whole tensor's.
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return _trainable_part(model, shapes)
+
+
+def _trainable_part(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a model state dict) as a checkpoint holds it: all of it, or for a model with
+    frozen parameters the trainable entries alone (not a tied head either: ``named_parameters``
+    names a tied tensor once, so DCP's ``ignore_frozen_params`` keeps its alias)."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    if all(p.requires_grad for p in model.parameters()):
+        return state
+    return {name: value for name, value in state.items() if name in trainable}
+
+
 def _dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     # An optimizer that has not stepped yet gets its (zero) state made here, so a fresh one can
     # be loaded into.
-    model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optim_state}
+    model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(model))
+    return {"model": _trainable_part(model, model_state), "optimizer": optim_state}
 
 
 def _quiet_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -404,7 +435,13 @@ def load_checkpoint(
     training = read_training_state(path)
     state = _dcp_state(model, optimizer)
     plain_load(path, lambda reader: _quiet_dcp(dcp.load, state, storage_reader=reader, planner=PlainLoadPlanner()))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=_state_options(model),
+    )
     if training.rng:
         restore_rng(training.rng[where.rank] if where.rank < len(training.rng) else training.rng[0])
     return training

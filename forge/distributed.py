@@ -211,16 +211,20 @@ def shard_model(model: torch.nn.Module, where: SpmdRank, reshard_after_forward: 
     return model
 
 
-def full_state_dict(model: torch.nn.Module, where: SpmdRank) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module, where: SpmdRank, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The whole model's weights as CPU tensors on rank 0 (one gather); ``{}`` on other ranks.
 
-    Every rank must call it (it is a collective when the model is sharded).
+    ``trainable_only``: the parameters that require grad alone (a LoRA adapter), so only they are
+    gathered. Every rank must call it (it is a collective when the model is sharded).
     """
     if not where.distributed:
+        if trainable_only:
+            return {k: p.detach().cpu() for k, p in model.named_parameters() if p.requires_grad}
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=options)
 
 
 def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:

@@ -26,6 +26,6 @@ else
     # beside the CPU torch they break `transformers` imports. forge needs none of them.
     $venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-$venv/bin/python -c "import torch, monarch, vllm, transformers, omegaconf, datasets, wandb" 
+$venv/bin/python -c "import torch, monarch, vllm, transformers, omegaconf, datasets, wandb, peft"
 echo "$want" > "$stamp"
 echo "[forge] install done."

@@ -87,6 +87,10 @@ class PolicySection(Placement, PolicySettings):
 
 @dataclass(kw_only=True)
 class ReferenceSection(Placement):
+    from_base: bool | None = None
+    """The reference logprobs are the trainer's base weights with its LoRA adapter off (PEFT's
+    ``disable_adapter``), so no reference replicas start; None (the default): true when
+    ``trainer.lora`` is set, false otherwise. Needs ``trainer.lora``."""
     dtype: str = "float32"
     """Reference model dtype."""
     pack_sequences: bool = False
@@ -334,6 +338,7 @@ class GRPOConfig:
                 "logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source"
             )
         self._check_env()
+        self._check_lora()
         if not self.reward.fns:
             raise ValueError("reward.fns needs at least one reward function")
         self._check_placement()
@@ -354,6 +359,32 @@ class GRPOConfig:
                 f"faults.health_timeout_s ({self.faults.health_timeout_s}) must be >= faults.health_interval_s "
                 f"({self.faults.health_interval_s}): a replica is probed every interval and failed after the timeout"
             )
+
+    def _check_lora(self) -> None:
+        """``trainer.lora`` against the policy that serves it, and the reference it implies."""
+        from forge.generation.lora import serving_rank
+
+        lora = self.trainer.lora
+        if self.reference.from_base and lora is None:
+            raise ValueError(
+                "reference.from_base needs trainer.lora: the reference is the base with the adapter off, and "
+                "a full fine-tuning trainer has no frozen base (leave reference.from_base null)"
+            )
+        if lora is None:
+            return
+        serving_rank(lora.rank, self.policy.max_lora_rank)  # a rank above policy.max_lora_rank names both
+        if self.policy.engine_mode != "batched":
+            raise ValueError(
+                f"trainer.lora needs policy.engine_mode 'batched' (adapters are served by VllmEngine), "
+                f"got {self.policy.engine_mode!r}"
+            )
+
+    @property
+    def ref_from_base(self) -> bool:
+        """Whether the reference is the trainer's base (``reference.from_base`` resolved)."""
+        if self.reference.from_base is None:
+            return self.trainer.lora is not None
+        return self.reference.from_base
 
     def _check_min_hosts(self, episodes: int) -> None:
         t = self.trainer

@@ -119,9 +119,12 @@ class MultiTurnRollouts(Rollouts):
                 "env", f"every trajectory of group {group_id} failed {MAX_GROUP_TRIES} times: {failed[-1]}"
             )
         t1 = time.perf_counter()
-        ref_logprobs = await call_role(
-            "reference", self.roles.reference.logprobs.route_many([(t.prompt_ids, t.response_ids) for t in done])
-        )
+        if self.roles.reference is None:  # reference.from_base: the trainer scores the base itself
+            ref_logprobs = [torch.zeros(t.response_ids.shape, dtype=torch.float32) for t in done]
+        else:
+            ref_logprobs = await call_role(
+                "reference", self.roles.reference.logprobs.route_many([(t.prompt_ids, t.response_ids) for t in done])
+            )
         rewards = torch.tensor([t.reward for t in done], dtype=torch.float32)
         advantages = group_advantages(rewards)
         record_metric("rollout/generate_latency_s", t1 - t0)

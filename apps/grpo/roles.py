@@ -108,6 +108,8 @@ def role_specs(cfg: GRPOConfig, model_path: str, weights_dir: str | None = None)
         RoleSpec("reward", RewardActor, dict(cfg.reward.fns), QUIET_ENV, options={"router": "least_loaded"}),
         RoleSpec("trainer", Trainer, trainer_config(cfg, model_path), QUIET_ENV, service=False),
     ]
+    if cfg.ref_from_base:  # the trainer scores the reference with its adapter off: no replicas
+        specs = [s for s in specs if s.name != "reference"]
     if cfg.env.cls:
         from forge.envs import EnvActor, EnvConfig, EnvSessionRouter
 
@@ -127,6 +129,7 @@ def policy_config(cfg: Any, model_path: str, group_size: int, weights_dir: str |
         group_size=group_size,
         seed=cfg.seed,
         weights_dir=weights_dir,
+        lora=getattr(cfg.trainer, "lora", None),  # a LoRA trainer's versions are adapters
     )
     policy.engine_kwargs = {"use_tqdm_on_load": False, **cfg.policy.engine_kwargs}
     return policy
@@ -259,6 +262,7 @@ def trainer_config(cfg: GRPOConfig, model_path: str) -> TrainerConfig:
         stop_token_ids=list(cfg.policy.stop_token_ids),  # the loss trains nothing past the policy's stop
         max_response_tokens=cfg.max_response_tokens,  # dr_grpo's constant length
         total_steps=cfg.steps,  # where a decaying lr_schedule reaches 0
+        ref_from_base=cfg.ref_from_base,  # the loss scores the reference with the adapter off
     )
 
 

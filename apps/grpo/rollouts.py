@@ -342,6 +342,8 @@ class Rollouts:
         return await call_role("reward", self.roles.reward.score_groups.route((prompt, texts)))
 
     async def _ref_logprobs(self, completions: list[Any]) -> list[Any]:
+        if self.roles.reference is None:  # reference.from_base: the trainer scores the base itself
+            return [torch.zeros(c.token_ids.shape, dtype=torch.float32) for c in completions]
         group = (completions[0].prompt_ids, [c.token_ids for c in completions])  # one prompt per group
         return await call_role("reference", self.roles.reference.logprobs_groups.route(group))
 

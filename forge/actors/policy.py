@@ -14,7 +14,9 @@ app's batches on CPU at every batch size measured (``benchmarks/policy_engine.py
 the behaviour logprob of each sampled token (``processed_logprobs``: after temperature, what
 the trainer computes) and the policy version it was sampled with.
 
-``update_weights(state_dict, version)`` loads new weights into the running engine in place.
+``update_weights(state_dict, version)`` loads new weights into the running engine in place. With
+``PolicyConfig.lora`` (a LoRA trainer) vLLM serves adapters instead: each version is an adapter
+folder loaded beside the base, which is never reloaded (``forge.generation.lora``).
 Endpoints of one actor run one at a time, so an update never lands in the middle of a batch.
 
 Routing: ``prompt_key`` + ``key_affinity`` send a prompt (and any retry of it) to the replica
@@ -35,6 +37,9 @@ import torch
 
 from forge.controller import Batching, ForgeActor, endpoint
 from forge.controller.wire import split_for_wire
+from forge.generation.adapter_inbox import AdapterInbox
+from forge.generation.lora import serving_rank
+from forge.models.lora import LoraSettings
 from forge.observability import record_metric
 from forge.types import Completion, Group, Prompt, SampleRequest, TurnRequest, TurnResult
 
@@ -80,6 +85,10 @@ class PolicySettings:
     """How a batch reaches vLLM: ``batched``, one ``LLM.generate`` call for the whole batch
     (``VllmEngine``, faster on CPU); ``async``, one ``AsyncLLM`` request per prompt, concurrently
     (``AsyncVllmEngine``)."""
+    max_lora_rank: int = 0
+    """With a LoRA trainer: the largest adapter rank vLLM serves (one of vLLM's accepted values,
+    ``forge.generation.lora.VLLM_LORA_RANKS``); 0: the smallest of them that holds the trainer's
+    rank."""
 
     def __post_init__(self) -> None:
         if self.engine_mode not in ENGINE_MODES:
@@ -99,6 +108,19 @@ class PolicyConfig(PolicySettings):
     weights_dir: str | None = None
     """The only folder ``update_weights`` loads weight files from (the GRPO app's run folder): a
     path outside it, or a file of another user, is refused. None: any safetensors path."""
+    lora: LoraSettings | None = None
+    """The trainer's adapter (``trainer.lora``): vLLM serves adapters over the base and every
+    ``update_weights`` is an adapter (``forge.generation.lora``). None: full weights."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lora is not None:
+            serving_rank(self.lora.rank, self.max_lora_rank)  # a ValueError naming both ranks
+            if self.engine_mode != "batched":
+                raise ValueError(
+                    f"a LoRA policy needs engine_mode 'batched' (adapters are served by VllmEngine), "
+                    f"got {self.engine_mode!r}"
+                )
 
 
 def prompt_key(prompt: Prompt) -> str:
@@ -193,6 +215,7 @@ class Policy(ForgeActor):
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
         self.engine: Any = None  # forge.generation.VllmEngine or AsyncVllmEngine, made in setup
+        self._adapters: AdapterInbox | None = None  # LoRA: where adapters sent as messages are written
 
     @endpoint
     async def setup(self) -> None:
@@ -200,6 +223,10 @@ class Policy(ForgeActor):
 
         cfg = self.config
         engine_cls = {"batched": VllmEngine, "async": AsyncVllmEngine}[cfg.engine_mode]
+        lora = {}
+        if cfg.lora is not None:
+            lora = {"max_lora_rank": serving_rank(cfg.lora.rank, cfg.max_lora_rank)}
+            self._adapters = AdapterInbox(cfg.lora, cfg.model_path, cfg.weights_dir)
         self.engine = await _settle(
             engine_cls.create(
                 cfg.model_path,
@@ -207,6 +234,7 @@ class Policy(ForgeActor):
                 seed=cfg.seed,
                 dtype=cfg.dtype,
                 kv_cache_bytes=cfg.kv_cache_bytes,
+                **lora,
                 **cfg.engine_kwargs,
             )
         )
@@ -331,7 +359,10 @@ class Policy(ForgeActor):
         the policy serves only what its own run's trainer wrote. Returns ``version``.
         """
         t0 = time.perf_counter()
-        if isinstance(state_dict, str):
+        if self._adapters is not None:  # LoRA: an adapter folder, or its tensors to write as one
+            self.engine.update_adapter(self._adapters.receive(state_dict, version), version)
+            self._adapters.loaded()
+        elif isinstance(state_dict, str):
             from forge.generation.weight_files import read_weights
             from forge.generation.weight_folder import check_weight_file
 
@@ -356,6 +387,8 @@ class Policy(ForgeActor):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self._adapters is not None:
+            self._adapters.close()
 
 
 def _unpacked(packed: Any, n: int, endpoint_name: str, items: str, callers: str) -> list[Any]:

@@ -31,6 +31,12 @@ weights, optimizer state (each rank writes its shard), step, policy version and 
 states, so a resumed trainer with the same number of ranks takes exactly the step the killed one
 would have taken on the same batch. They load into another number of ranks too. The caller adds
 its own state as ``extra``.
+
+With ``TrainerConfig.lora`` the model is a PEFT model over the frozen checkpoint
+(``forge.models.lora``, injected before sharding): the optimizer, the checkpoints and the
+published weights hold the adapter alone, ``export_model`` writes the merged model and the
+adapter, and with ``ref_from_base`` the loss's reference is the base with the adapter off
+(``forge.actors.trainer_lora``).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from forge import checkpoint
+from forge.actors.trainer_batches import chunks, counts, forward_token_counts, token_loss_mask
 from forge.actors.trainer_config import GRPOLossSettings, OptimizerSettings, TrainerConfig, TrainerSettings
 from forge.controller import ForgeActor, endpoint
 from forge.distributed import (
@@ -59,11 +66,12 @@ from forge.distributed import (
 )
 from forge.losses import grpo_loss, sft_loss, trainable_lengths
 from forge.losses.grpo import LOSS_NORMALISERS
-from forge.models import PaddedBatch, forward_tokens, pack_right_padded, padded_token_logprobs
+from forge.models import PaddedBatch, pack_right_padded, padded_token_logprobs
 from forge.models.export import TIED_HEAD, write_hf_folder
 from forge.types import Episode, EpisodeBatch, SFTBatch, SFTExample
 
 if TYPE_CHECKING:
+    from forge.actors.trainer_lora import AdapterFolders
     from forge.generation.weight_files import WeightFiles
 
 __all__ = ["GRPOLossSettings", "OptimizerSettings", "Trainer", "TrainerConfig", "TrainerSettings"]
@@ -89,7 +97,7 @@ class Trainer(ForgeActor):
     device: torch.device
     # -- training state
     version: int
-    _weight_files: WeightFiles | None
+    _weight_files: WeightFiles | AdapterFolders | None
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
@@ -112,10 +120,13 @@ class Trainer(ForgeActor):
         self.device = self.rank.device
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=getattr(torch, cfg.dtype))
+        if cfg.lora is not None:  # before sharding: FSDP2 shards each layer with its adapter
+            from forge.models.lora import inject
+
+            model = inject(model, cfg.lora, cfg.model_path)
         self.model = shard_model(model.to(self.device).train(), self.rank, cfg.reshard_after_forward)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
-        )
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA, the adapter alone
+        self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
     @endpoint
     async def train_step(self, batch: EpisodeBatch | list[Episode]) -> dict[str, float]:
@@ -140,7 +151,7 @@ class Trainer(ForgeActor):
         total = tokens = 0.0
         self.model.eval()
         with torch.no_grad():
-            for chunk in _chunks(mine, size):
+            for chunk in chunks(mine, size):
                 packed = self._pack_sft(chunk)
                 loss, _ = self._sft_loss(chunk, packed)
                 n = float(packed.loss_mask.sum())
@@ -170,7 +181,7 @@ class Trainer(ForgeActor):
         normaliser: str,
     ) -> dict[str, float]:
         """One optimizer step of any loss: this rank's slice in micro-batches, each micro-batch's
-        loss weighted by its share of the global ``normaliser`` count (``_counts``), so that the
+        loss weighted by its share of the global ``normaliser`` count (``trainer_batches.counts``), so that the
         sum over micro-batches and ranks is the loss one rank would compute on the whole batch."""
         cfg = self.config
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -178,16 +189,16 @@ class Trainer(ForgeActor):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         # Every rank runs the same number of micro-batches: FSDP's collectives must pair up.
-        micro = [pack(chunk) for chunk in _chunks(mine, size)]
-        local = {**_counts(micro), **_forward_tokens(micro, cfg.pack_sequences, cfg.pack_row_tokens)}
-        counts = all_reduce_sum(local, self.rank)  # the whole batch's, as one rank would see it
+        micro = [pack(chunk) for chunk in chunks(mine, size)]
+        local = {**counts(micro), **forward_token_counts(micro, cfg.pack_sequences, cfg.pack_row_tokens)}
+        totals_of = all_reduce_sum(local, self.rank)  # the whole batch's, as one rank would see it
         totals: dict[str, float] = {}
         maxima: dict[str, float] = {}
-        for chunk, packed in zip(_chunks(mine, size), micro):
+        for chunk, packed in zip(chunks(mine, size), micro):
             loss, stats = loss_fn(chunk, packed)
-            own = _counts([packed])
-            loss_weight = own[normaliser] / max(counts[normaliser], 1.0)
-            tok_weight = own["tokens"] / max(counts["tokens"], 1.0)
+            own = counts([packed])
+            loss_weight = own[normaliser] / max(totals_of[normaliser], 1.0)
+            tok_weight = own["tokens"] / max(totals_of["tokens"], 1.0)
             (loss * loss_weight).backward()  # summed over micro-batches and ranks: the global loss
             for name, value in {"loss": loss.detach(), **stats}.items():
                 if name.endswith("_max"):
@@ -205,9 +216,9 @@ class Trainer(ForgeActor):
         return {
             **totals,
             "grad_norm": grad_norm,
-            "tokens": counts["tokens"],
+            "tokens": totals_of["tokens"],
             # Pad tokens / all tokens the forward passes computed (near 0 with pack_sequences).
-            "padding_fraction": 1.0 - counts["forward_real_tokens"] / max(counts["forward_tokens"], 1.0),
+            "padding_fraction": 1.0 - totals_of["forward_real_tokens"] / max(totals_of["forward_tokens"], 1.0),
             "train_s": time.perf_counter() - t0,
             # This process's CPU time (rank 0's): the work a rank did, whatever else shares the cores.
             "train_cpu_s": time.process_time() - cpu0,
@@ -241,7 +252,7 @@ class Trainer(ForgeActor):
         keep = [int(e.response_ids.numel()) if e.loss_mask is not None else n for e, n in zip(episodes, keep)]
         batch = pack_right_padded([e.prompt_ids for e in episodes], responses, cfg.pad_id, keep)
         if any(e.loss_mask is not None for e in episodes):
-            batch.loss_mask = batch.loss_mask & _token_loss_mask(episodes, batch.response_mask)
+            batch.loss_mask = batch.loss_mask & token_loss_mask(episodes, batch.response_mask)
         return batch
 
     def _loss(self, episodes: list[Episode], batch: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -262,9 +273,12 @@ class Trainer(ForgeActor):
         # Outside the mask, behaviour and reference equal the current logprobs (ratio 1, KL 0), so
         # no pad position can overflow exp() and poison the masked sums with inf * 0.
         behaviour = logprobs.detach().clone()
-        reference = logprobs.detach().clone()
         behaviour[mask] = torch.cat([e.behaviour_logprobs for e in episodes]).to(self.device, logprobs.dtype)
-        reference[mask] = torch.cat([e.ref_logprobs for e in episodes]).to(self.device, logprobs.dtype)
+        if cfg.ref_from_base:  # the frozen base, the adapter off: the reference without a reference model
+            reference = torch.where(mask, self._base_logprobs(batch, mask), logprobs.detach())
+        else:
+            reference = logprobs.detach().clone()
+            reference[mask] = torch.cat([e.ref_logprobs for e in episodes]).to(self.device, logprobs.dtype)
         advantages = torch.tensor([e.advantage for e in episodes], dtype=logprobs.dtype, device=self.device)
         return grpo_loss(
             logprobs,
@@ -280,6 +294,23 @@ class Trainer(ForgeActor):
             loss_type=cfg.loss_type,
             max_response_tokens=cfg.max_response_tokens,
         )
+
+    def _base_logprobs(self, batch: PaddedBatch, mask: torch.Tensor) -> torch.Tensor:
+        """The frozen base model's logprobs of ``batch`` (the adapter off), laid out as the loss's."""
+        from forge.actors.trainer_lora import base_logprobs
+
+        return base_logprobs(self.model, batch, mask, self.device, self.config)
+
+    @endpoint
+    async def reference_logprobs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per-token logprobs of each ``(prompt_ids, response_ids)`` under the frozen base (LoRA
+        only: the adapter off), the loss's reference with ``ref_from_base``. Every rank scores
+        every pair (the forward's collectives pair up)."""
+        from forge.actors.trainer_lora import pair_base_logprobs
+
+        if self.config.lora is None:
+            raise ValueError("reference_logprobs needs a LoRA trainer (trainer.lora): the base is the reference")
+        return pair_base_logprobs(self.model, pairs, self.device, self.config)
 
     def _pack_sft(self, examples: list[SFTExample]) -> PaddedBatch:
         return pack_right_padded([e.prompt_ids for e in examples], [e.answer_ids for e in examples], self.config.pad_id)
@@ -326,6 +357,8 @@ class Trainer(ForgeActor):
         state = self._state_dict()
         if not self.rank.is_main:
             return "", self.version
+        if self.config.lora is not None:  # one PEFT adapter folder per version
+            return self._adapter_folders(folder).write(state, self.version), self.version
         if self._weight_files is None or self._weight_files.folder != Path(folder):
             if self._weight_files is not None:
                 self._weight_files.close()
@@ -386,11 +419,9 @@ class Trainer(ForgeActor):
         whose parameter names or shapes differ from the model's is a ``ValueError``.
         """
         self._finish_checkpoint()
-        # Global shapes: a sharded parameter is a DTensor whose .shape is the whole tensor's.
-        shapes = {name: tuple(p.shape) for name, p in self.model.state_dict().items()}
         checkpoint.check_fits(
             path,
-            shapes,
+            checkpoint.model_shapes(self.model),  # with LoRA, the adapter's tensors alone
             f"resume with the model the checkpoint was written for (model.path is {self.config.model_path})",
         )
         state = checkpoint.load_checkpoint(path, self.model, self.optimizer, where=self.rank)
@@ -404,12 +435,18 @@ class Trainer(ForgeActor):
     async def export_model(self, folder: str) -> str:
         """Write the current weights as a Hugging Face folder (config, safetensors, tokenizer) that
         ``transformers`` and vLLM load; return its path. Rank 0 writes it."""
+        from forge.staging import staged_folder
+
+        cfg = self.config
+        if cfg.lora is not None:  # the merged model, and the adapter alone in <folder>/adapter
+            from forge.actors.trainer_lora import export_lora
+
+            export_lora(self.model, self.rank, cfg.lora, cfg.model_path, Path(folder))
+            return folder
         state = full_state_dict(self.model, self.rank)
         if self.rank.is_main:
-            from forge.staging import staged_folder
-
             with staged_folder(Path(folder), prefix=".tmp_export_") as tmp:
-                write_hf_folder(self.model, state, self.config.model_path, tmp)
+                write_hf_folder(self.model, state, cfg.model_path, tmp)
         return folder
 
     @endpoint
@@ -433,9 +470,22 @@ class Trainer(ForgeActor):
             self._weight_files.close()
             self._weight_files = None
 
+    def _adapter_folders(self, folder: str) -> Any:
+        from forge.actors.trainer_lora import AdapterFolders
+
+        if self._weight_files is None or self._weight_files.folder != Path(folder):
+            self._remove_published()
+            self._weight_files = AdapterFolders(folder, self.config.lora, self.config.model_path)
+        return self._weight_files
+
     def _state_dict(self) -> dict[str, Any]:
-        """Full weights on rank 0 (publish dtype, tied head left out); ``{}`` on other ranks."""
+        """Full weights on rank 0 (publish dtype, tied head left out); ``{}`` on other ranks.
+        With LoRA, the adapter alone (PEFT's names): only its bytes go to the policy."""
         dtype = getattr(torch, self.config.publish_dtype) if self.config.publish_dtype else None
+        if self.config.lora is not None:
+            from forge.actors.trainer_lora import adapter_weights
+
+            return adapter_weights(self.model, self.rank, dtype)
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         out = {}
         for name, tensor in full_state_dict(self.model, self.rank).items():
@@ -446,51 +496,3 @@ class Trainer(ForgeActor):
                 t = t.to(dtype)
             out[name] = t.cpu()
         return out
-
-
-def _token_loss_mask(episodes: list[Episode], response_mask: torch.Tensor) -> torch.Tensor:
-    """The episodes' own per-token loss masks (``Episode.loss_mask``; all-true where None) laid
-    out like ``response_mask`` [B, L-1]."""
-    pieces = []
-    for i, e in enumerate(episodes):
-        n = int(e.response_ids.numel())
-        if e.loss_mask is None:
-            pieces.append(torch.ones(n, dtype=torch.bool))
-        elif e.loss_mask.shape != (n,):
-            raise ValueError(
-                f"episode {i} ({e.group_id}): loss_mask has shape {tuple(e.loss_mask.shape)}, expected ({n},)"
-            )
-        else:
-            pieces.append(e.loss_mask.bool())
-    laid_out = torch.zeros_like(response_mask)
-    laid_out[response_mask] = torch.cat(pieces)
-    return laid_out
-
-
-def _trained_sequences(batch: PaddedBatch) -> int:
-    """Sequences with at least one trained token: what the loss's mean over sequences counts."""
-    return int((batch.loss_mask.sum(1) > 0).sum())
-
-
-def _counts(batches: list[PaddedBatch]) -> dict[str, float]:
-    """Trained sequences, trained tokens and all rows (trained or not) of ``batches``: the counts a
-    loss can be normalised by (``forge.losses.grpo.LOSS_NORMALISERS``; SFT's is ``tokens``)."""
-    return {
-        "sequences": float(sum(_trained_sequences(b) for b in batches)),
-        "tokens": float(sum(int(b.loss_mask.sum()) for b in batches)),
-        "rows": float(sum(int(b.loss_mask.shape[0]) for b in batches)),
-    }
-
-
-def _forward_tokens(batches: list[PaddedBatch], pack: bool, row_tokens: int) -> dict[str, float]:
-    """Real tokens and all tokens (with padding) the forward passes over ``batches`` compute."""
-    real = computed = 0.0
-    for batch in batches:
-        lengths = [int(n) for n in batch.attention_mask.sum(-1).tolist()]
-        real += sum(lengths)
-        computed += forward_tokens(lengths, pack, row_tokens)
-    return {"forward_real_tokens": real, "forward_tokens": computed}
-
-
-def _chunks(items: list[Episode], size: int) -> list[list[Episode]]:
-    return [items[start : start + size] for start in range(0, len(items), size)]

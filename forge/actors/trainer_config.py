@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from forge.losses.grpo import check_loss_type
+from forge.models.lora import LoraSettings
 
 __all__ = ["LR_SCHEDULES", "GRPOLossSettings", "OptimizerSettings", "TrainerConfig", "TrainerSettings"]
 
@@ -108,6 +109,11 @@ class GRPOLossSettings:
 class TrainerSettings(GRPOLossSettings, OptimizerSettings):
     """Everything a user tunes in a GRPO trainer: the optimizer's settings and the loss's."""
 
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter (``forge.models.lora``: rank, alpha, dropout, target_modules) over
+    the frozen model instead of every weight; None (null): full fine-tuning. The optimizer,
+    checkpoints and weight sync then hold the adapter alone."""
+
 
 @dataclass(kw_only=True)
 class TrainerConfig(TrainerSettings):
@@ -131,9 +137,14 @@ class TrainerConfig(TrainerSettings):
     times turns for multi-turn): ``loss_type`` ``dr_grpo``'s constant length, needed (> 0) there."""
     total_steps: int = 0
     """The run's optimizer steps: where ``linear``/``cosine`` schedules reach 0 (needed, > 0, there)."""
+    ref_from_base: bool = False
+    """With ``lora``: the loss's reference logprobs are the frozen base's, computed here with the
+    adapter off, and the episodes' ``ref_logprobs`` are not read (no reference model runs)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.ref_from_base and self.lora is None:
+            raise ValueError("ref_from_base needs lora: without an adapter the trained model has no frozen base")
         check_loss_type(self.loss_type, self.max_response_tokens)
         if self.lr_schedule != "constant" and self.total_steps < 1:
             raise ValueError(f"lr_schedule {self.lr_schedule!r} needs total_steps >= 1, got {self.total_steps}")

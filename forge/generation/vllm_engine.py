@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from forge.generation.lora import AdapterSlots, check_serves_lora, lora_engine_kwargs
 from forge.generation.weight_sync import TIED_HEAD, checkpoint_spec, checkpoint_ties_embeddings, validate_state_dict
 from forge.types import Completion
 
@@ -94,6 +95,7 @@ class VllmEngine:
         self._tied = tied_embeddings
         self._in_process = in_process
         self._version = 0
+        self._adapters = AdapterSlots()  # with enable_lora: the adapter each generate runs on
 
     @classmethod
     def create(
@@ -105,9 +107,13 @@ class VllmEngine:
         dtype: str = "float32",
         kv_cache_bytes: int = 64 << 20,
         enforce_eager: bool = True,
+        max_lora_rank: int = 0,
         **engine_kwargs: Any,
     ) -> VllmEngine:
         """Start vLLM on the Hugging Face checkpoint folder ``model_path``.
+
+        ``max_lora_rank`` > 0 serves LoRA adapters up to that rank (``update_adapter``); a model
+        vLLM has no LoRA layers for is a ``ValueError`` before the engine starts.
 
         ``kv_cache_bytes`` is allocated in full at start (it adds to RSS); a batch runs in one
         wave only if every sequence's blocks fit at once: 16 MiB holds 16k tokens of the
@@ -118,6 +124,10 @@ class VllmEngine:
         configure_vllm_env()
         from vllm import LLM
         from vllm import envs as vllm_envs
+
+        if max_lora_rank:
+            check_serves_lora(model_dir)
+            engine_kwargs = {**lora_engine_kwargs(max_lora_rank), **engine_kwargs}
 
         in_process = not vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING
         threads = os.environ["OMP_NUM_THREADS"]
@@ -176,7 +186,7 @@ class VllmEngine:
         if not prompts:
             return []
         inputs = token_prompts(prompts, self._tokenizer)
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self._adapters.current)
         return to_completions(outputs, self._version, decode_with=None if stop else self._tokenizer)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -193,6 +203,25 @@ class VllmEngine:
             self.llm.collective_rpc("forge_load_safetensors", args=(safetensors_blob(weights),))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        self._version = version
+
+    def update_adapter(self, folder: str | os.PathLike, version: int) -> None:
+        """Serve the LoRA adapter in ``folder`` (PEFT's format) as ``version``, beside the base.
+
+        The adapter is loaded now, under a new id, so the caller may remove the folder after a
+        newer version replaced it; the previous adapter is removed (``generate`` is synchronous:
+        no request is still running on it). Prefix-cache blocks are keyed by adapter, so none
+        computed with another one is reused.
+        """
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        request = self._adapters.next_request(folder, version)
+        engine = self.llm.llm_engine
+        if not engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter at {folder}")
+        previous, self._adapters.current = self._adapters.current, request
+        if previous is not None:
+            engine.remove_lora(previous.lora_int_id)
         self._version = version
 
     def shutdown(self) -> None:

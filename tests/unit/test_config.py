@@ -375,11 +375,16 @@ def test_a_dict_or_list_field_from_an_override_replaces_the_files_value(tmp_path
     from apps.grpo.config import GRPOConfig
 
     in_file = _replacement_for(key, kind)
-    section, leaf = key.rsplit(".", 1)
-    path = _yaml(tmp_path, yaml.safe_dump(_with_context(key, {"model": {"path": "/m"}, section: {leaf: in_file}})))
+    *sections, leaf = key.split(".")  # a nested section (trainer.lora) is nested in the file too
+    tree: dict = {leaf: in_file}
+    for name in reversed(sections):
+        tree = {name: tree}
+    path = _yaml(tmp_path, yaml.safe_dump(_with_context(key, {"model": {"path": "/m"}, **tree})))
     on_line = _replacement_for(key, kind, other=True)
     cfg = load_config(GRPOConfig, path, [f"{key}={yaml.safe_dump(on_line, default_flow_style=True).strip()}"])
-    got = getattr(getattr(cfg, section), leaf)
+    got = cfg
+    for name in key.split("."):
+        got = getattr(got, name)
     assert got == on_line
 
 
