@@ -16,8 +16,9 @@ _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 def expand(expression: str) -> list[str]:
     """The node names of a hostlist expression, in Slurm's order.
 
-    ``"n[1-2]"`` -> ``["n1", "n2"]``; ``"n[01-03,7]"`` -> ``["n01", "n02", "n03", "n07"]``;
-    ``"a,b"`` -> ``["a", "b"]``; ``""`` -> ``[]``. Zero-padded bounds keep their width. Several
+    ``"n[1-2]"`` -> ``["n1", "n2"]``; ``"n[01-03,7]"`` -> ``["n01", "n02", "n03", "n7"]``;
+    ``"a,b"`` -> ``["a", "b"]``; ``""`` -> ``[]``. A zero-padded bound keeps its width (each part
+    of a bracket its own, as ``scontrol show hostnames`` does). Several
     bracket groups in one name (``r[1-2]n[1-2]``) expand like Slurm's, the last one fastest.
     Raises ``ValueError`` naming the expression when it is not one.
     """

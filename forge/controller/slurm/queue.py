@@ -6,9 +6,9 @@ Slurm's JSON changed shape between releases, and Monarch 0.7 reads only the newe
   lists every job the controller remembers, other users' too; ``job_state`` is a string
   (``"RUNNING"``); ``nodes`` is a hostlist string; ``job_resources`` is absent while pending and
   lists ``allocated_nodes[].nodename`` once running.
-- 23.11 / 24.05 (v0.0.40 / v0.0.41): ``--job`` filters; ``job_state`` is a list (``["RUNNING"]``,
-  later entries being flags such as ``COMPLETING``); ``job_resources.nodes`` is an object whose
-  ``allocation[].name`` are the nodes.
+- 23.11 and later (data_parser v0.0.40+, the schema Monarch 0.7 reads): ``--job`` filters;
+  ``job_state`` is a list (``["RUNNING"]``, later entries being flags such as ``COMPLETING``);
+  ``job_resources.nodes`` is an object whose ``allocation[].name`` are the nodes.
 
 So a job is always picked out of the list by its ``job_id`` (never ``jobs[0]``), its state is
 the first entry of either form, and its nodes come from the hostlist ``nodes`` string when it is
@@ -125,7 +125,7 @@ def _nodes(job: dict[str, Any]) -> list[str]:
         return expand(job["nodes"])
     resources = job.get("job_resources") or {}
     nodes = resources.get("nodes")
-    if isinstance(nodes, dict):  # 23.11 / 24.05
+    if isinstance(nodes, dict):  # 23.11 and later
         if nodes.get("allocation"):
             return [str(n["name"]) for n in nodes["allocation"]]
         if isinstance(nodes.get("list"), str):
