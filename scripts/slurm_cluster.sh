@@ -106,13 +106,15 @@ start() {
     exit 1
 }
 
-# Every process whose environment names this cluster's config: the daemons' job steps
-# (slurmstepd) and what they started (workers and their role processes).
+# This cluster's job processes: its slurmstepd daemons and what its jobs started (workers and
+# their role processes), told by this cluster's config in their environment. A shell that only
+# exported SLURM_CONF (the caller's) has no SLURM_JOB_ID and is not one of them.
 job_processes() {
-    local p
+    local p env
     for p in /proc/[0-9]*; do
-        [ "${p#/proc/}" = "$$" ] && continue
-        if tr '\0' '\n' < "$p/environ" 2>/dev/null | grep -qx "SLURM_CONF=$conf"; then
+        env="$(tr '\0' '\n' < "$p/environ" 2>/dev/null)" || continue
+        grep -qx "SLURM_CONF=$conf" <<< "$env" || continue
+        if grep -q "^SLURM_JOB_ID=" <<< "$env" || [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ]; then
             echo "${p#/proc/}"
         fi
     done
@@ -131,6 +133,7 @@ stop_pidfile() {
 stop() {
     [ -f "$conf" ] || return 0
     scancel --full --quiet --user="$(id -un)" 2>/dev/null || true
+    for _ in $(seq 1 50); do [ -z "$(squeue -h 2>/dev/null)" ] && break; sleep 0.2; done
     for n in n1 n2; do stop_pidfile "$dir/run/slurmd-$n.pid"; done
     stop_pidfile "$dir/run/slurmctld.pid"
     stop_pidfile "$dir/munge/munged.pid"

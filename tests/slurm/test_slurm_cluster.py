@@ -19,7 +19,7 @@ import pytest
 
 from apps.grpo.roles import ROLE_ENV
 from tests.integration.app_runs import finish_app, start_app
-from tests.slurm.conftest import CLUSTER_DIR, job_processes, queued_jobs, submitted_job, wait_until
+from tests.slurm.conftest import CLUSTER_DIR, job_processes, queued_jobs, restore_node, submitted_job, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("clean_cluster")]
 
@@ -97,11 +97,15 @@ def submitted_job_from_log(tmp_path: Path) -> str:
     return names[0].split("_")[1].split(".")[0]
 
 
+STEPS_PAST_A_LOSS = 40
+"""Steps of the node-loss run: enough that training is still going when the loss is noticed."""
+
+
 def test_a_node_lost_mid_run_is_a_lost_host(tmp_path: Path) -> None:
     """SIGKILL of n2's slurmd, its job steps and every process they started after step 2: n2 is
     reported dead by name, the rollout roles restart on n1, the trainer restarts there on one
     host (trainer.min_hosts=1) from its checkpoint, and the run completes every step."""
-    proc = slurm_run(tmp_path, "trainer.min_hosts=1", "trainer.checkpoint_every=2", steps=6)
+    proc = slurm_run(tmp_path, "trainer.min_hosts=1", "trainer.checkpoint_every=2", steps=STEPS_PAST_A_LOSS)
     wait_for_step(proc, tmp_path, 2)
     from forge.checkpoint import list_checkpoints
 
@@ -118,7 +122,10 @@ def test_a_node_lost_mid_run_is_a_lost_host(tmp_path: Path) -> None:
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
     assert "host n2 (tcp://127.0.0.1:" in err and "is not answering" in err, err[-3000:]
     assert "the trainer restarts on 1 host(s) instead of 2 (trainer.min_hosts=1)" in err, err[-3000:]
-    assert [r["step"] for r in rows(tmp_path)] == list(range(1, 7))
+    assert [r["step"] for r in rows(tmp_path)] == list(range(1, STEPS_PAST_A_LOSS + 1))
+    # The app cancelled the job; Slurm completes it once n2 answers again.
+    assert not any(line.split()[:2] == [job_id, "RUNNING"] for line in queued_jobs()), queued_jobs()
+    restore_node("n2")
     assert_job_gone(job_id)
 
 
