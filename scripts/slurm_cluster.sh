@@ -112,7 +112,7 @@ start() {
 job_processes() {
     local p env
     for p in /proc/[0-9]*; do
-        env="$(tr '\0' '\n' < "$p/environ" 2>/dev/null)" || continue
+        env="$(tr '\0' '\n' 2>/dev/null < "$p/environ")" || continue
         grep -qx "SLURM_CONF=$conf" <<< "$env" || continue
         if grep -q "^SLURM_JOB_ID=" <<< "$env" || [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ]; then
             echo "${p#/proc/}"

@@ -7,10 +7,11 @@ A ``HostPool`` is one Monarch host mesh. It comes from running workers::
 
     pool = HostPool.attach(["tcp://10.0.0.7:29501", "tcp://10.0.0.8:29501"])
 
-or from a Monarch job (``monarch.job.SlurmJob``, the Kubernetes job, ``ProcessJob``, ``LocalJob``),
-which starts the workers itself::
+or from a Monarch job (``monarch.job``'s Kubernetes job, ``ProcessJob``, ``LocalJob``, or for
+Slurm forge's adapter of its ``SlurmJob``: ``forge.controller.jobs.open_host_pool``), which
+starts the workers itself::
 
-    pool = HostPool.from_job(SlurmJob({"hosts": 4}, gpus_per_node=8, partition="gpu"))
+    pool = HostPool.from_job(ProcessJob({"hosts": 2}))
 
 Then ``options(host_pool=pool)`` places each replica on a host of the pool, in turn, and
 ``options(hosts=H, host_pool=pool)`` places ONE replica's processes on H hosts: a slice of H

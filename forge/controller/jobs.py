@@ -19,6 +19,7 @@ job without blocking the event loop, and any failure cancels the job with a clea
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,12 @@ def host_pool_from(cfg: HostsConfig, log_dir: str | Path | None = None) -> HostP
         return None
     if cfg.job == "attach":
         return HostPool.attach(cfg.addresses)
+    if cfg.job == "slurm":  # one start path, with its waits, errors and cancellation
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(open_host_pool(cfg, log_dir))
+        raise RuntimeError("host_pool_from blocks until a Slurm job runs; in async code await open_host_pool")
     return _pool(HostPool.from_job(make_job(cfg, log_dir), MESH))
 
 

@@ -314,12 +314,31 @@ class ForgeSlurmJob(SlurmJob):
         )
 
     # --------------------------------------------------------------- attach
+    def silent_workers(self) -> list[str]:
+        """The nodes (``"n2 (tcp://...)"``) whose worker does not accept a connection yet."""
+        return [f"{n} ({w})" for n, w in zip(self.nodes, self.workers) if probe_address(w, 1.0) is False]
+
+    def workers_timed_out(self, silent: list[str], timeout_s: float) -> SlurmJobError:
+        job_id = self._slurm_job_id
+        return SlurmJobError(
+            f"Slurm job {job_id} is RUNNING but the worker on {', '.join(silent)} did not listen within "
+            f"{timeout_s:.0f}s; check its log ({self._log_dir}/slurm_{job_id}_<node>.err): python_exe must be "
+            "a Python with forge and Monarch on every node (a venv on a shared filesystem). The job was cancelled",
+            job_id,
+            "RUNNING",
+        )
+
     def _state(self) -> JobState:
-        if not self.workers:
+        if not self.workers:  # a direct job.state(): wait here (start_slurm_job waited already)
             job_id = self._slurm_job_id
             if job_id is None:
                 raise SlurmJobError("the Slurm job was never submitted (apply() first)")
             self._wait_for_job_start(job_id, sum(self._meshes.values()), self._job_start_timeout)
+        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+        while silent := self.silent_workers():
+            if time.monotonic() > deadline:
+                raise self.workers_timed_out(silent, WORKER_START_TIMEOUT_S)
+            time.sleep(POLL_S)
         # Monarch's SlurmJob makes the controller listen at its host name, which may resolve to
         # loopback only (then Monarch panics); listen where this machine reaches the nodes instead.
         configure(default_transport=f"tcp://{controller_ip(self.workers[0])}:0")
@@ -367,22 +386,14 @@ async def wait_for_workers(job: ForgeSlurmJob, timeout_s: float = WORKER_START_T
     when ``timeout_s`` passes or the job stops first."""
     deadline = time.monotonic() + timeout_s
     while True:
-        answers = await asyncio.gather(*(asyncio.to_thread(probe_address, w, 1.0) for w in job.workers))
-        silent = [f"{n} ({w})" for n, w, ok in zip(job.nodes, job.workers, answers) if ok is False]
+        silent = await asyncio.to_thread(job.silent_workers)
         if not silent:
             return
         error = await asyncio.to_thread(job.job_error)
         if error is not None:
             raise error
         if time.monotonic() > deadline:
-            job_id = job._slurm_job_id
-            raise SlurmJobError(
-                f"Slurm job {job_id} is RUNNING but the worker on {', '.join(silent)} did not listen within "
-                f"{timeout_s:.0f}s; check its log ({job._log_dir}/slurm_{job_id}_<node>.err): python_exe must be "
-                "a Python with forge and Monarch on every node (a venv on a shared filesystem). The job was cancelled",
-                job_id,
-                "RUNNING",
-            )
+            raise job.workers_timed_out(silent, timeout_s)
         await asyncio.sleep(POLL_S)
 
 
