@@ -119,8 +119,9 @@ def worker_ports(addresses: list[str], base: int) -> list[int]:
     return ports
 
 
-# The batch script's per-node loop computes the same ports as worker_ports (one rule, written
-# twice: the script runs on the first node before the controller knows the nodes).
+# The batch script's per-node loop computes the same ports as worker_ports: one rule, written
+# twice, because the script learns the nodes on the job's first node and the controller from
+# squeue and scontrol, each on its own.
 _NODE_LOOP = """\
 declare -A seen
 index=0
@@ -312,6 +313,18 @@ class ForgeSlurmJob(SlurmJob):
             job_id,
             "GONE" if info is None else info.state,
         )
+
+    def _kill(self) -> None:
+        # Monarch's waits on scancel without a limit; a slurmctld that does not answer must not hang the run's end.
+        job_id = self._slurm_job_id
+        if job_id is not None:
+            try:
+                run_command(["scancel", job_id])
+                logger.info("Slurm job %s cancelled", job_id)
+            except SlurmCommandError as exc:
+                logger.warning("could not cancel Slurm job %s (%s); run `scancel %s`", job_id, exc, job_id)
+        self._slurm_job_id = None
+        self._all_hostnames.clear()
 
     # --------------------------------------------------------------- attach
     def silent_workers(self) -> list[str]:
