@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 
 from monarch._rust_bindings.monarch_hyperactor.config import configure
 from monarch.actor import attach_to_workers
+from monarch.config import get_global_config
 from monarch.job import JobState, SlurmJob, serialize_service_proc_ids, service_proc_addrs
 
 from forge.controller.errors import ForgeError
@@ -152,7 +153,11 @@ class ForgeSlurmJob(SlurmJob):
                 )
         if not options.get("log_dir"):
             raise ValueError("a Slurm job needs log_dir, the folder for its logs (forge passes <output_dir>/jobs)")
+        previous = get_global_config()["default_transport"]
         super().__init__(meshes, **options)
+        # SlurmJob's constructor switches this whole process to TCP at the host name; forge picks
+        # the controller's address when it attaches (_state), and until then nothing changes.
+        configure(default_transport=previous)
         self.nodes: list[str] = []
         """The job's nodes, in Slurm's order, once it runs."""
         self.workers: list[str] = []

@@ -4,6 +4,7 @@ its batch script, and its workers' ports (forge.controller.slurm.job)."""
 from pathlib import Path
 
 import pytest
+from monarch.config import configure, get_global_config
 from monarch.job import SlurmJob
 
 from forge.controller.jobs import HostsConfig, make_job
@@ -19,8 +20,19 @@ def test_the_adapter_is_for_monarch_0_7_only() -> None:
 
 def test_a_later_monarch_gets_its_own_slurm_job_with_the_log_folder(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(slurm_job, "adapter_needed", lambda: False)
-    job = make_slurm_job(2, "hosts", tmp_path / "jobs", {"partition": "debug"})
+    previous = get_global_config()["default_transport"]
+    try:
+        job = make_slurm_job(2, "hosts", tmp_path / "jobs", {"partition": "debug"})
+    finally:
+        configure(default_transport=previous)  # Monarch's SlurmJob switches the process to TCP
     assert type(job) is SlurmJob and job._log_dir == str((tmp_path / "jobs").resolve())
+
+
+def test_making_forges_slurm_job_leaves_the_process_transport_alone(tmp_path: Path) -> None:
+    """Other meshes of the process (tests, this host's roles) keep their transport until attach."""
+    before = repr(get_global_config()["default_transport"])
+    ForgeSlurmJob({"hosts": 2}, log_dir=str(tmp_path))
+    assert repr(get_global_config()["default_transport"]) == before
 
 
 def test_slurm_needs_a_log_folder_and_it_is_never_the_current_one(tmp_path: Path) -> None:
