@@ -73,7 +73,7 @@ class HostPool:
             raise ValueError(f"{len(addresses)} addresses for a host mesh of {self.size} hosts: {list(addresses)}")
         self.addresses = list(addresses) if addresses is not None else None
         self.job = job
-        self.names: list[str] | None = None
+        self.node_names: list[str] | None = None
         """Each host's name in its job (a Slurm node's), used in messages; None: the addresses."""
         self.dead: set[int] = set()
         self._next = 0
@@ -200,8 +200,8 @@ class HostPool:
         return f"host {', '.join(self.describe(i) for i in gone)} stopped answering" if gone else ""
 
     def describe(self, index: int) -> str:
-        if self.names is not None:
-            return f"{self.names[index]} ({self.addresses[index]})" if self.addresses else self.names[index]
+        if self.node_names is not None:
+            return f"{self.node_names[index]} ({self.addresses[index]})" if self.addresses else self.node_names[index]
         return self.addresses[index] if self.addresses is not None else f"#{index}"
 
     def names(self) -> list[str]:

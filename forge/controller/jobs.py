@@ -139,5 +139,5 @@ def _pool(pool: HostPool) -> HostPool:
     the job knows them (forge's Slurm job)."""
     workers, nodes = getattr(pool.job, "workers", None), getattr(pool.job, "nodes", None)
     if workers and len(workers) == pool.size:
-        pool.addresses, pool.names = list(workers), list(nodes)
+        pool.addresses, pool.node_names = list(workers), list(nodes)
     return pool

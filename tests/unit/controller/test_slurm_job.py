@@ -91,3 +91,16 @@ def test_nodes_sharing_a_machine_get_ports_of_their_own(addresses: list[str], po
 
 def test_the_controller_listens_on_the_route_to_the_workers() -> None:
     assert slurm_job.controller_ip("service@tcp://127.0.0.1:22222") == "127.0.0.1"
+
+
+def test_a_slurm_pool_names_its_hosts_by_node_and_worker() -> None:
+    """Messages about a host name the Slurm node and its worker; the pool's other names still work."""
+    from forge.controller.hosts import HostPool, NotEnoughHosts
+    from tests.unit.controller.test_hosts_spanning import _FakeHostMesh
+
+    pool = HostPool(_FakeHostMesh(2))
+    pool.addresses, pool.node_names = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], ["n1", "n2"]
+    assert pool.describe(1) == "n2 (tcp://127.0.0.1:2)"
+    assert pool.names() == ["n1 (tcp://127.0.0.1:1)", "n2 (tcp://127.0.0.1:2)"]
+    with pytest.raises(NotEnoughHosts, match=r"only 2 host\(s\) \(\['n1 \(tcp"):
+        pool.check_count(3)
