@@ -2,17 +2,34 @@
 # Installs what the tests need (first run only), then runs them.
 #   scripts/test.sh            the default suite (CI; its run time is in docs/benchmarks.md)
 #   scripts/test.sh --slow     only the slow tests
+#   scripts/test.sh --slurm    only the slurm tests, on a two-node Slurm started on this machine
+#                              (scripts/slurm_cluster.sh; installs slurm-wlm and munge if root)
 #   scripts/test.sh -k batch   any other pytest arguments pass through
+# Without --slurm nothing is installed system-wide and no daemon is started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 args=()
+slurm=0
 for a in "$@"; do
-    if [ "$a" = "--slow" ]; then args+=(-m slow); else args+=("$a"); fi
+    case "$a" in
+        --slow) args+=(-m slow) ;;
+        --slurm) slurm=1; args+=(-m slurm) ;;
+        *) args+=("$a") ;;
+    esac
 done
 # Lint and format are part of the test: a violation fails the run (ruff's settings are in pyproject.toml).
 .venv/bin/ruff format --check --quiet . || { echo "[forge] ruff format: run '.venv/bin/ruff format .'"; exit 1; }
 .venv/bin/ruff check --quiet .
 # pytest exits non-zero on any failure, and with 5 when no test ran: both fail the run.
+if [ "$slurm" = 1 ]; then
+    # The cluster lives for these tests only: started fresh, stopped (daemons, jobs) at the end.
+    bash scripts/slurm_cluster.sh stop
+    trap 'bash scripts/slurm_cluster.sh stop' EXIT
+    bash scripts/slurm_cluster.sh start
+    eval "$(bash scripts/slurm_cluster.sh env)"
+    .venv/bin/python -m pytest -p no:cacheprovider -ra "${args[@]}"
+    exit
+fi
 exec .venv/bin/python -m pytest -p no:cacheprovider -ra "${args[@]}"

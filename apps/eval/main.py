@@ -43,9 +43,9 @@ async def run(cfg: EvalAppConfig, terminal: Any, resume_from: Path | None = None
     )
     host_pool = None
     if cfg.hosts.job != "none":
-        from forge.controller.jobs import host_pool_from
+        from forge.controller.jobs import JOB_LOGS, open_host_pool
 
-        host_pool = host_pool_from(cfg.hosts)
+        host_pool = await open_host_pool(cfg.hosts, Path(cfg.logging.output_dir) / JOB_LOGS)
     spec = RoleSpec("policy", Policy, policy_config(cfg, model_path, group_size=1), POLICY_ENV)
     policy = None
     try:

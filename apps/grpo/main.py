@@ -68,7 +68,7 @@ from apps.common.evaluation import EvalPlan, EvalRuns
 from apps.common.weights import PolicyWeights
 from apps.grpo.faults import RoleWatch, resume_hint
 from apps.grpo.multiturn import MultiTurnRollouts
-from apps.grpo.roles import RoleFailed, Roles, prepare_model, start_roles, stop_roles
+from apps.grpo.roles import RoleFailed, Roles, job_gone, prepare_model, start_roles, stop_roles
 from apps.grpo.rollouts import Rollouts
 from apps.grpo.run_log import RunLog
 from apps.grpo.trainer_restart import TrainerRestarts, trainer_died
@@ -122,11 +122,16 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
             rollouts = Rollouts.from_config(cfg, roles)
         restarts = TrainerRestarts(cfg, model_path, roles, watch)
         tasks = [asyncio.create_task(watch.watch_services(roles.services()), name="service-watch"), *rollouts.start()]
+        if roles.host_pool is not None and roles.host_pool.job is not None:  # a job that ends stops the run
+            tasks.append(asyncio.create_task(roles.host_pool.watch_job(), name="job-watch"))
         while True:  # once, plus once more after each dead trainer is replaced (trainer_restart.py)
             training = asyncio.create_task(train(cfg, roles, rollouts, log, step, version, evals), name="train")
             watcher = asyncio.create_task(watch.failed.wait(), name="failure-watch")
             tasks += [training, watcher]
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            gone = await job_gone(roles)  # a dead job's roles die too: the job is the cause, not them
+            if gone is not None:
+                raise gone
             died = trainer_death(watch, training)
             if died is None:
                 break
@@ -147,6 +152,8 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         return log.summary(time.perf_counter() - t_start, startup_s) + (f"; plot {plot}" if plot else "")
     except Exception as exc:
         root = watch.error if watch.error is not None else exc  # a role gone for good is the root cause
+        gone = await job_gone(roles)
+        root = gone if gone is not None else root  # ...unless the hosts' job stopped under it
         if isinstance(root, RoleFailed) and root.role == "trainer" and "the run stopped:" not in root.detail:
             raise RoleFailed("trainer", f"{root.detail}; the run stopped: {resume_hint(cfg)}") from exc
         if root is not exc:

@@ -188,17 +188,36 @@ async def start_roles(cfg: GRPOConfig, model_path: str) -> Roles:
     roles = Roles()
     await open_weight_folder(cfg, roles)
     if cfg.hosts.job != "none":
-        from forge.controller.jobs import host_pool_from
+        from forge.controller.jobs import JOB_LOGS, open_host_pool
 
-        roles.host_pool = host_pool_from(cfg.hosts)
+        roles.host_pool = await open_host_pool(cfg.hosts, Path(cfg.logging.output_dir) / JOB_LOGS)
     gpus = assign_gpus(cfg)
     starts: dict[str, Any] = {
         spec.name: start_role(spec, cfg, gpus, roles.host_pool, **fault_options(cfg))
         for spec in role_specs(cfg, model_path, roles.weights_dir)
     }
     starts["local"] = start_local(cfg, model_path, roles)
-    await start_all(roles, starts)
+    try:
+        await start_all(roles, starts)
+    except BaseException:  # a cancelled start (Ctrl-C, SIGTERM) too: the job is not left queued or running
+        if roles.host_pool is not None:
+            roles.host_pool.close()
+        raise
     return roles
+
+
+async def job_gone(roles: Roles) -> Exception | None:
+    """Why the hosts' job stopped (a Slurm job cancelled or out of time), or None while it runs:
+    checked whenever the run stops or a role dies, because a job gone is then the root cause."""
+    pool = roles.host_pool
+    if pool is None or pool.job is None:
+        return None
+    from forge.controller.hosts import JOB_CHECK_TIMEOUT_S
+
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(pool.job_error), JOB_CHECK_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return None
 
 
 async def open_weight_folder(cfg: Any, roles: Roles) -> None:

@@ -95,9 +95,9 @@ async def start_roles(cfg: SFTConfig, model_path: str) -> Roles:
     if cfg.eval.generate:
         await open_weight_folder(cfg, roles)
     if cfg.hosts.job != "none":
-        from forge.controller.jobs import host_pool_from
+        from forge.controller.jobs import JOB_LOGS, open_host_pool
 
-        roles.host_pool = host_pool_from(cfg.hosts)
+        roles.host_pool = await open_host_pool(cfg.hosts, Path(cfg.logging.output_dir) / JOB_LOGS)
     gpus = assign_gpus(cfg, roles=SFT_ROLES)
     await start_all(
         roles,

@@ -7,10 +7,11 @@ A ``HostPool`` is one Monarch host mesh. It comes from running workers::
 
     pool = HostPool.attach(["tcp://10.0.0.7:29501", "tcp://10.0.0.8:29501"])
 
-or from a Monarch job (``monarch.job.SlurmJob``, the Kubernetes job, ``ProcessJob``, ``LocalJob``),
-which starts the workers itself::
+or from a Monarch job (``monarch.job``'s Kubernetes job, ``ProcessJob``, ``LocalJob``, or for
+Slurm forge's adapter of its ``SlurmJob``: ``forge.controller.jobs.open_host_pool``), which
+starts the workers itself::
 
-    pool = HostPool.from_job(SlurmJob({"hosts": 4}, gpus_per_node=8, partition="gpu"))
+    pool = HostPool.from_job(ProcessJob({"hosts": 2}))
 
 Then ``options(host_pool=pool)`` places each replica on a host of the pool, in turn, and
 ``options(hosts=H, host_pool=pool)`` places ONE replica's processes on H hosts: a slice of H
@@ -25,6 +26,7 @@ than are left fails with ``NotEnoughHosts``, naming the dead ones.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -40,6 +42,11 @@ from monarch.actor import attach_to_workers
 import forge.controller._env  # noqa: F401  (the package imports it before monarch)
 
 logger = logging.getLogger("forge.hosts")
+
+JOB_POLL_S = 5.0
+"""How often ``watch_job`` asks the scheduler whether the pool's job still runs."""
+JOB_CHECK_TIMEOUT_S = 60.0
+"""Longest one such question may take (``squeue`` has its own, shorter timeout)."""
 
 PROBE_TIMEOUT_S = 2.0
 """How long a worker's port may take to accept a connection before the host counts as dead."""
@@ -66,6 +73,8 @@ class HostPool:
             raise ValueError(f"{len(addresses)} addresses for a host mesh of {self.size} hosts: {list(addresses)}")
         self.addresses = list(addresses) if addresses is not None else None
         self.job = job
+        self.node_names: list[str] | None = None
+        """Each host's name in its job (a Slurm node's), used in messages; None: the addresses."""
         self.dead: set[int] = set()
         self._next = 0
 
@@ -99,6 +108,21 @@ class HostPool:
         job, self.job = self.job, None
         if job is not None:
             job.kill()
+
+    def job_error(self) -> Exception | None:
+        """Why the pool's job no longer runs (e.g. a Slurm job cancelled or past its time
+        limit), or None while it runs, for jobs that can tell (forge's Slurm job)."""
+        check = getattr(self.job, "job_error", None)
+        return check() if check is not None else None
+
+    async def watch_job(self, interval_s: float = JOB_POLL_S) -> None:
+        """Return never while the pool's job runs; raise ``job_error()`` once it stops (a run
+        awaits this beside its work, so a cancelled job ends the run with the job's state)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            error = await asyncio.wait_for(asyncio.to_thread(self.job_error), JOB_CHECK_TIMEOUT_S)
+            if error is not None:
+                raise error
 
     # ----------------------------------------------------------- placement
     def alive(self) -> list[int]:
@@ -176,6 +200,8 @@ class HostPool:
         return f"host {', '.join(self.describe(i) for i in gone)} stopped answering" if gone else ""
 
     def describe(self, index: int) -> str:
+        if self.node_names is not None:
+            return f"{self.node_names[index]} ({self.addresses[index]})" if self.addresses else self.node_names[index]
         return self.addresses[index] if self.addresses is not None else f"#{index}"
 
     def names(self) -> list[str]:

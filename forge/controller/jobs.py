@@ -10,19 +10,27 @@ processes on this machine (``ProcessJob``, for tests and demos) or this host its
       num_hosts: 2
       options: {partition: gpu, gpus_per_node: 8, time_limit: "04:00:00", account: my-account}
 
-and ``host_pool_from(cfg)`` applies the job and returns the pool that replicas are placed on
-(``options(host_pool=pool, hosts=H)``). The pool owns the job: ``pool.close()`` kills it.
+and ``open_host_pool(cfg, log_dir)`` applies the job and returns the pool that replicas are placed
+on (``options(host_pool=pool, hosts=H)``). The pool owns the job: ``pool.close()`` kills it.
+Slurm goes through forge's adapter of Monarch's ``SlurmJob`` (``forge.controller.slurm.job``):
+its logs go under ``log_dir`` (the apps pass ``<logging.output_dir>/jobs``), it waits for the
+job without blocking the event loop, and any failure cancels the job with a clear error.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from forge.checks import check_int
 from forge.controller.hosts import HostPool
 
 JOB_KINDS = ("none", "attach", "local", "process", "slurm", "kubernetes")
+
+JOB_LOGS = "jobs"
+"""The apps' folder for a job's logs, under ``logging.output_dir``."""
 
 MESH = "hosts"
 """Name of the job's one host mesh (Monarch jobs name their meshes)."""
@@ -69,8 +77,9 @@ class HostsConfig:
         return None if n is None or self.job == "none" else [str(i) for i in range(int(n))]
 
 
-def make_job(cfg: HostsConfig) -> Any:
-    """The Monarch job ``cfg`` describes (not yet applied); None for ``none`` and ``attach``."""
+def make_job(cfg: HostsConfig, log_dir: str | Path | None = None) -> Any:
+    """The Monarch job ``cfg`` describes (not yet applied); None for ``none`` and ``attach``.
+    ``log_dir``: where a Slurm job's logs go (``options.log_dir`` wins; one of them is needed)."""
     opts = dict(cfg.options)
     if cfg.job in ("none", "attach"):
         return None
@@ -83,9 +92,12 @@ def make_job(cfg: HostsConfig) -> Any:
 
         return ProcessJob({MESH: cfg.num_hosts}, **opts)
     if cfg.job == "slurm":
-        from monarch.job import SlurmJob
+        from forge.controller.slurm.job import make_slurm_job
 
-        return SlurmJob({MESH: cfg.num_hosts}, **opts)
+        log_dir = opts.get("log_dir") or log_dir
+        if not log_dir:
+            raise ValueError("hosts.job 'slurm' needs a folder for the job's logs: hosts.options.log_dir or log_dir=")
+        return make_slurm_job(cfg.num_hosts, MESH, log_dir, opts)
     from monarch.job.kubernetes import ImageSpec, KubernetesJob  # needs the kubernetes package
 
     image, resources = opts.pop("image", None), opts.pop("resources", None)
@@ -94,10 +106,38 @@ def make_job(cfg: HostsConfig) -> Any:
     return job
 
 
-def host_pool_from(cfg: HostsConfig) -> HostPool | None:
-    """The pool of hosts ``cfg`` describes, its job applied; None for ``none`` (this host)."""
+def host_pool_from(cfg: HostsConfig, log_dir: str | Path | None = None) -> HostPool | None:
+    """The pool of hosts ``cfg`` describes, its job applied; None for ``none`` (this host).
+    Blocks until a Slurm job runs; in async code use ``open_host_pool``."""
     if cfg.job == "none":
         return None
     if cfg.job == "attach":
         return HostPool.attach(cfg.addresses)
-    return HostPool.from_job(make_job(cfg), MESH)
+    if cfg.job == "slurm":  # one start path, with its waits, errors and cancellation
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(open_host_pool(cfg, log_dir))
+        raise RuntimeError("host_pool_from blocks until a Slurm job runs; in async code await open_host_pool")
+    return _pool(HostPool.from_job(make_job(cfg, log_dir), MESH))
+
+
+async def open_host_pool(cfg: HostsConfig, log_dir: str | Path | None = None) -> HostPool | None:
+    """``host_pool_from``, with a Slurm job waited for off the event loop: Ctrl-C or SIGTERM while
+    it is queued cancels it, and so does any failure (a ``SlurmJobError`` naming the job)."""
+    if cfg.job != "slurm":
+        return host_pool_from(cfg, log_dir)
+    from forge.controller.slurm.job import start_slurm_job
+
+    job = make_job(cfg, log_dir)
+    mesh = await start_slurm_job(job, MESH)
+    return _pool(HostPool(mesh, job=job))
+
+
+def _pool(pool: HostPool) -> HostPool:
+    """``pool`` with its hosts named after the job's nodes and probed at their workers, where
+    the job knows them (forge's Slurm job)."""
+    workers, nodes = getattr(pool.job, "workers", None), getattr(pool.job, "nodes", None)
+    if workers and len(workers) == pool.size:
+        pool.addresses, pool.node_names = list(workers), list(nodes)
+    return pool

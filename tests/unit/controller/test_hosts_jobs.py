@@ -43,9 +43,10 @@ async def test_a_local_job_places_replicas_on_this_host():
         await svc.shutdown()
 
 
-def test_the_slurm_section_becomes_a_slurm_job_with_its_options():
-    job = make_job(HostsConfig(job="slurm", num_hosts=4, options={"partition": "gpu", "gpus_per_node": 8}))
-    assert type(job).__name__ == "SlurmJob"
+def test_the_slurm_section_becomes_a_slurm_job_with_its_options(tmp_path):
+    section = HostsConfig(job="slurm", num_hosts=4, options={"partition": "gpu", "gpus_per_node": 8})
+    job = make_job(section, tmp_path)
+    assert type(job).__name__ == "ForgeSlurmJob"  # forge's adapter of Monarch 0.7's SlurmJob
     assert (job._meshes, job._partition, job._gpus_per_node) == ({"hosts": 4}, "gpu", 8)
 
 
