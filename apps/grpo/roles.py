@@ -129,7 +129,7 @@ def policy_config(cfg: Any, model_path: str, group_size: int, weights_dir: str |
         group_size=group_size,
         seed=cfg.seed,
         weights_dir=weights_dir,
-        lora=getattr(cfg.trainer, "lora", None),  # a LoRA trainer's versions are adapters
+        lora=getattr(getattr(cfg, "trainer", None), "lora", None),  # LoRA: versions are adapters (eval has none)
     )
     policy.engine_kwargs = {"use_tqdm_on_load": False, **cfg.policy.engine_kwargs}
     return policy

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from forge.generation.lora import AdapterSlots, check_serves_lora, lora_engine_kwargs
+from forge.generation.module_scan import without_context_proxies
 from forge.generation.weight_sync import TIED_HEAD, checkpoint_spec, checkpoint_ties_embeddings, validate_state_dict
 from forge.types import Completion
 
@@ -136,7 +137,10 @@ class VllmEngine:
             # it was unset then, torch took every core, which threads fighting over shared cores
             # make much slower: docs/benchmarks.md).
             torch.set_num_threads(int(threads))
-        llm = LLM(**engine_args(model_dir, max_model_len, seed, dtype, kv_cache_bytes, enforce_eager, engine_kwargs))
+        with without_context_proxies():  # vLLM's kernel rebind trips over Flask's proxies (module_scan)
+            llm = LLM(
+                **engine_args(model_dir, max_model_len, seed, dtype, kv_cache_bytes, enforce_eager, engine_kwargs)
+            )
         # In the worker, wherever it runs: importing the extension there is not enough, since
         # a spawned worker may have imported forge before vllm.
         llm.collective_rpc("forge_apply_cpu_sampler_fix")
