@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
-def _run_job(tmp_path: Path, runs: list[dict], max_loras: int, timeout: float = 140) -> tuple[int, str, dict]:
-    """The app on a config of ``runs`` (3 steps of 4 prompts x 4 each); exit code, stderr, summary."""
+def _start_job(tmp_path: Path, runs: list[dict], max_loras: int) -> subprocess.Popen:
+    """The app on a config of ``runs`` (3 steps of 4 prompts x 4 each unless a run overrides them)."""
     config = {
         "grpo": "configs/grpo_tiny_lora.yaml",
         "shared": [
@@ -45,13 +46,24 @@ def _run_job(tmp_path: Path, runs: list[dict], max_loras: int, timeout: float = 
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     args = [sys.executable, "-m", "apps.multi_lora.main", "--config", str(tmp_path / "job.yaml")]
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish_job(proc: subprocess.Popen, tmp_path: Path, timeout: float = 140) -> tuple[int, str, dict]:
+    """The job's exit code, stderr and summary.json; a job past ``timeout`` is killed and fails the test."""
     try:
-        proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the job did not finish within {timeout}s\nstderr:\n{(exc.stderr or '')[-3000:]}")
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"the job did not finish within {timeout}s\nstderr:\n{err[-3000:]}")
     summary_path = tmp_path / "out" / "summary.json"
-    assert summary_path.is_file(), f"exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
-    return proc.returncode, proc.stderr, json.loads(summary_path.read_text())
+    assert summary_path.is_file(), f"exit {proc.returncode}\nstderr:\n{err[-3000:]}"
+    return proc.returncode, err, json.loads(summary_path.read_text())
+
+
+def _run_job(tmp_path: Path, runs: list[dict], max_loras: int) -> tuple[int, str, dict]:
+    return _finish_job(_start_job(tmp_path, runs, max_loras), tmp_path)
 
 
 def _rows(tmp_path: Path, name: str) -> list[dict]:
@@ -91,3 +103,47 @@ def test_a_run_whose_reward_raises_ends_alone_and_its_adapter_is_evicted(tmp_pat
     assert (b["ok"], b["steps"], b["evicted_from"]) == (False, 0, 1), b
     assert [r["policy_version"] for r in _rows(tmp_path, "a")] == list(range(1, STEPS + 1))
     assert b["seconds"] < a["seconds"]  # b ended first, and a went on without it
+
+
+def test_a_run_whose_trainer_dies_ends_alone_while_the_other_trains_on(tmp_path: Path) -> None:
+    """SIGKILL of run b's trainer process after b's first step (no trainer restarts in this app):
+    b fails naming its trainer, its adapter is evicted; run a trains all its steps on the same
+    policy replica; the job exits 1 naming b."""
+    import psutil
+
+    runs = [
+        {"name": "a", "overrides": ["seed=0", "steps=8"]},
+        {
+            "name": "b",
+            "overrides": [
+                "seed=1",
+                "steps=8",
+                "faults.health_timeout_s=20",
+                "trainer.env={OMP_NUM_THREADS: '1', MLORA_TEST_RUN: b}",
+            ],
+        },
+    ]
+    proc = _start_job(tmp_path, runs, max_loras=2)
+    metrics = tmp_path / "out" / "b" / "metrics.jsonl"
+    deadline = time.monotonic() + 100
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _finish_job(proc, tmp_path)
+            pytest.fail("run b never logged a step")
+        time.sleep(0.2)
+    victims = []
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            env = child.environ()
+            if env.get("MLORA_TEST_RUN") == "b" and child.parent().environ().get("MLORA_TEST_RUN") != "b":
+                victims.append(child)
+        except psutil.Error:
+            continue
+    assert len(victims) == 1, victims
+    victims[0].kill()
+    code, err, summary = _finish_job(proc, tmp_path)
+    assert code == 1 and "1 of 2 runs failed: b (" in err, err[-3000:]
+    a, b = summary["runs"]
+    assert (a["ok"], a["steps"]) == (True, 8), a
+    assert not b["ok"] and 1 <= b["steps"] < 8 and "trainer" in b["error"], b
+    assert b["evicted_from"] == 1, b
