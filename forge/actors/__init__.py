@@ -16,6 +16,7 @@ from typing import Any
 _MODULES = {
     "Dataset": "dataset",
     "DatasetConfig": "dataset",
+    "MultiLoraPolicy": "multi_lora_policy",
     "Policy": "policy",
     "PolicyConfig": "policy",
     "PolicySettings": "policy",

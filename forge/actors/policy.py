@@ -303,12 +303,15 @@ class Policy(ForgeActor):
         *,
         temperature: float | None = None,
         max_tokens: int | None = None,
+        adapter: Any = None,
     ) -> list[list[Completion]]:
         """``n`` samples of each input (text or token ids) at the configured sampling settings
         (or the given ``temperature``/``max_tokens``), counted in the batch-size metric
-        ``batch_metric`` and ``policy/generate_s``."""
+        ``batch_metric`` and ``policy/generate_s``. ``adapter``: a ``ServedAdapter`` to sample
+        with (a multi-adapter policy's), instead of the engine's own weights."""
         cfg = self.config
         t0 = time.perf_counter()
+        named = {} if adapter is None else {"adapter": adapter}
         outputs = await _settle(
             self.engine.generate(
                 inputs,
@@ -318,6 +321,7 @@ class Policy(ForgeActor):
                 top_p=cfg.top_p,
                 stop=cfg.stop,
                 stop_token_ids=list(cfg.stop_token_ids),
+                **named,
             )
         )
         seconds = time.perf_counter() - t0

@@ -104,6 +104,10 @@ class ServiceInterface:
     def metrics(self) -> dict[str, Any]:
         return self._service.metrics()
 
+    async def retire_model(self, model_id: Hashable, timeout_s: float = 60.0) -> int:
+        """See ``Service.retire_model``: evict a model no caller will name again from every replica."""
+        return await self._service.retire_model(model_id, timeout_s)
+
     def set_resync(self, resync: Callable[[Any], Awaitable[None]] | None) -> None:
         """See ``Service.set_resync``: the step a restarted replica runs before taking traffic."""
         self._service.set_resync(resync)

@@ -65,7 +65,8 @@ class ReplicaModels:
     and wanted, the work queued and running for each, and the one task that evicts and loads.
 
     ``load(model_id, evict)`` evicts the models in ``evict`` on the actor, then loads
-    ``model_id`` there (a replica sends ``_forge_load_model``; tests pass a coroutine).
+    ``model_id`` there (a replica sends ``_forge_load_model``; tests pass a coroutine); a
+    ``model_id`` of None only evicts (``retire``).
     """
 
     def __init__(
@@ -217,6 +218,24 @@ class ReplicaModels:
                 if rec.state in (_State.WANTED, _State.LOADING):
                     self._fail(rec, exc)
             self._wanted.clear()
+
+    async def retire(self, model_id: Hashable, poll_s: float = 0.01) -> bool:
+        """Evict ``model_id`` as soon as it has no queued or running work (the caller bounds the
+        wait), not when the LRU reaches it: its caller will not name it again (a stopped run).
+        True if this replica held it. A later request for it loads it again, as after any
+        eviction."""
+        while True:
+            rec = self._resident.get(model_id)
+            if rec is None:
+                return False
+            if rec.state is not _State.LOADING and rec.idle:
+                break
+            await asyncio.sleep(poll_s)  # polled: the load loop owns ``_changed``
+        del self._resident[model_id]  # no await since the check: the load loop cannot pick it too
+        self.evictions += 1
+        self._changed.set()  # a load waiting for room may go
+        await self._load(None, [model_id])
+        return True
 
     def _victim(self) -> _Model | None:
         """The model to evict now: the draining one once idle, else the least recently used

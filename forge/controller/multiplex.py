@@ -37,6 +37,9 @@ The contract, clause by clause (each has a test):
   forming; else to a replica with the fewest models. Both stay within a load bound
   (``load_factor`` x the mean in-flight load, plus ``slack``): past it, a hot model is loaded on
   one more replica.
+- ``svc.retire_model(model_id)`` evicts a model from every replica once its queued and
+  running work there is done (a caller that will never name it again, e.g. a stopped run), so
+  its room is free at once instead of when the LRU reaches it.
 - ``svc.metrics()["models"]``: loads, evictions, hits (requests that found their model loaded),
   misses (requests that waited for a load), load failures and time, and per model its
   requests, loads and batch sizes.
@@ -193,10 +196,12 @@ class _ModelStore:
         self._in_use: collections.Counter = collections.Counter()
 
     async def load(self, model_id: Hashable, evict: Sequence[Hashable] = ()) -> None:
-        """The replica's order: it counts the room (its capacity may differ from ours)."""
+        """The replica's order: it counts the room (its capacity may differ from ours). A
+        ``model_id`` of None only evicts (``ReplicaModels.retire``)."""
         for victim in evict:
             await self.evict(victim)
-        await self._get(model_id, make_room=False)
+        if model_id is not None:
+            await self._get(model_id, make_room=False)
 
     async def acquire(self, model_id: Hashable) -> Any:
         model = await self._get(model_id)

@@ -446,6 +446,14 @@ class Service:
         calls = [r.send(endpoint, request.args, request.kwargs, request.route.batch_key) for r in replicas]
         return list(await asyncio.gather(*(c.result(request.timeout) for c in calls)))
 
+    async def retire_model(self, model_id: Hashable, timeout_s: float) -> int:
+        """Evict ``model_id`` from every replica that holds it, once its work there is done
+        (``ReplicaModels.retire``); returns how many held it. ``TimeoutError`` past ``timeout_s``."""
+        if self.multiplexing is None:
+            raise TypeError(f"service {self.name} has no multiplexed endpoint, so it holds no models to retire")
+        held = [r.models.retire(model_id) for r in self.replicas if r.models is not None]
+        return sum(await asyncio.wait_for(asyncio.gather(*held), timeout_s))
+
     @contextlib.asynccontextmanager
     async def session(self, session_id: str | None = None) -> AsyncIterator[str]:
         """Calls made inside stick to one replica (re-chosen only if that replica fails)."""

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "VLLM_LORA_RANKS",
     "AdapterSlots",
+    "ServedAdapter",
     "check_serves_lora",
     "lora_engine_kwargs",
     "serving_rank",
@@ -85,6 +87,16 @@ def check_serves_lora(model_dir: str | Path) -> None:
         f"{architectures}: vLLM has no LoRA layers for it); use a model vLLM serves with adapters (e.g. "
         "Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM) or train every weight (trainer.lora: null)"
     )
+
+
+@dataclass
+class ServedAdapter:
+    """One adapter an engine holds, as ``generate(adapter=...)`` takes it: its ``LoRARequest``
+    (None: the base alone) and the policy version its samples carry. Mutable: a multi-adapter
+    policy swaps a newer version in place, so a holder of this object serves the newest."""
+
+    request: Any
+    version: int
 
 
 class AdapterSlots:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from forge.generation.lora import AdapterSlots, check_serves_lora, lora_engine_kwargs
+from forge.generation.lora import AdapterSlots, ServedAdapter, check_serves_lora, lora_engine_kwargs
 from forge.generation.module_scan import without_context_proxies
 from forge.generation.weight_sync import TIED_HEAD, checkpoint_spec, checkpoint_ties_embeddings, validate_state_dict
 from forge.types import Completion
@@ -174,6 +174,7 @@ class VllmEngine:
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
         seed: int | None = None,
+        adapter: ServedAdapter | None = None,
     ) -> list[list[Completion]]:
         """Sample ``n`` completions per prompt in one batched engine call.
 
@@ -184,14 +185,19 @@ class VllmEngine:
         stream, so duplicate prompts give different samples. ``stop_token_ids`` end a completion
         at any of those tokens (kept as its last token; ``finish_reason`` "stop"), besides the
         checkpoint's EOS: e.g. ``<|im_end|>``, past which a base model writes a made-up next turn.
-        A completion cut at ``max_tokens`` has ``finish_reason`` "length".
+        A completion cut at ``max_tokens`` has ``finish_reason`` "length". ``adapter`` (from
+        ``load_adapter``) samples with that adapter and stamps its version, instead of the one
+        ``update_adapter`` serves: a policy serving many runs' adapters names one per call.
         """
         params = sampling_params(len(prompts), n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)
         if not prompts:
             return []
         inputs = token_prompts(prompts, self._tokenizer)
-        outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self._adapters.current)
-        return to_completions(outputs, self._version, decode_with=None if stop else self._tokenizer)
+        lora, version = (
+            (self._adapters.current, self._version) if adapter is None else (adapter.request, adapter.version)
+        )
+        outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=lora)
+        return to_completions(outputs, version, decode_with=None if stop else self._tokenizer)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load new weights in place and record their policy ``version``.
@@ -227,6 +233,22 @@ class VllmEngine:
         if previous is not None:
             engine.remove_lora(previous.lora_int_id)
         self._version = version
+
+    def load_adapter(self, folder: str | os.PathLike, version: int) -> ServedAdapter:
+        """Load the LoRA adapter in ``folder`` beside the base and any others, under a new id;
+        ``generate(adapter=...)`` samples with it. It stays until ``unload_adapter``: how many an
+        engine holds is vLLM's ``max_cpu_loras`` (its least recently used ones beyond are dropped)."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        request = self._adapters.next_request(folder, version)
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter at {folder}")
+        return ServedAdapter(request, version)
+
+    def unload_adapter(self, adapter: ServedAdapter) -> None:
+        """Remove an adapter ``load_adapter`` loaded (its memory is free again); the base stays."""
+        if adapter.request is not None:
+            self.llm.llm_engine.remove_lora(adapter.request.lora_int_id)
 
     def shutdown(self) -> None:
         """Stop the engine and free its memory and process group; safe to call twice."""

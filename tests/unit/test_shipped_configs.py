@@ -11,6 +11,7 @@ import pytest
 
 from apps.eval.config import EvalAppConfig
 from apps.grpo.config import GRPOConfig
+from apps.multi_lora.config import MultiLoraConfig
 from apps.sft.config import SFTConfig
 from forge.config import load_config
 
@@ -24,10 +25,11 @@ SOURCES = [
     "apps/grpo/main.py",
     "apps/sft/main.py",
     "apps/eval/main.py",
+    "apps/multi_lora/main.py",
     *sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml")),
 ]
-SCHEMAS = {"grpo": GRPOConfig, "sft": SFTConfig, "eval": EvalAppConfig}
-_LAUNCHERS = re.compile(r"(?:(scripts/grpo\.sh)|-m apps\.(grpo|sft|eval)\.main)\b(.*)|^(--config\s.*)")
+SCHEMAS = {"grpo": GRPOConfig, "sft": SFTConfig, "eval": EvalAppConfig, "multi_lora": MultiLoraConfig}
+_LAUNCHERS = re.compile(r"(?:(scripts/grpo\.sh)|-m apps\.(grpo|sft|eval|multi_lora)\.main)\b(.*)|^(--config\s.*)")
 
 
 def _snippets(source: str) -> list[str]:
@@ -96,6 +98,8 @@ def test_documented_command_line_loads(source: str, app: str, config: str, overr
         for part in key.split("."):
             node = getattr(node, part)
         assert str(node) == value or str(node) == str(type(node)(value)), f"{source}: {override} was not applied"
+    if app == "multi_lora":
+        cfg.run_configs()  # every run's GRPO config loads and the runs agree on the shared policy
 
 
 def test_qwen3_command_without_data_path_fails_naming_it() -> None:

@@ -35,6 +35,8 @@ class FakeActor:
         self.calls.append((model_id, list(evict)))
         for victim in evict:
             self.held.remove(victim)
+        if model_id is None:  # an eviction alone (ReplicaModels.retire)
+            return
         if self.load_gate is not None:
             await self.load_gate.wait()
         if model_id in self.fail:
@@ -122,6 +124,36 @@ async def test_busy_model_is_not_evicted_but_drains():
     out = await bounded(asyncio.gather(first, second, late), "m1 drained, m2 loaded, m1 reloaded")
     assert out == [("m1", 1), ("m2", 2), ("m1", 3)]
     assert actor.calls == [("m1", []), ("m2", ["m1"]), ("m1", ["m2"])]
+    await b.close()
+
+
+async def test_retired_model_is_evicted_at_once_and_reloads_when_named_again():
+    """retire evicts an idle model without waiting for the LRU; a later request loads it again."""
+    actor, models, b = make(max_models=2)
+    for model_id in ("m1", "m2"):
+        await bounded(b.submit(0, model_id), f"a batch of {model_id}")
+    assert await bounded(models.retire("m1"), "m1 retired") is True
+    assert actor.held == ["m2"] and actor.calls[-1] == (None, ["m1"])
+    assert models.metrics()["loaded"] == ["m2"]
+    assert await bounded(models.retire("m1"), "m1 retired again") is False  # no longer held
+    await bounded(b.submit(1, "m1"), "m1 reloaded")
+    assert actor.calls[-1] == ("m1", [])  # room was free: nothing else evicted
+    await b.close()
+
+
+async def test_retire_waits_for_the_models_running_batch():
+    """A model with a batch on the actor is evicted only after that batch is answered."""
+    actor, models, b = make(max_models=2)
+    actor.run_gate = asyncio.Event()
+    running = b.enqueue(1, "m1")
+    await until(lambda: actor.batches == [("m1", [1])], "m1's batch to run")
+    retiring = asyncio.ensure_future(models.retire("m1"))
+    await settle()
+    assert not retiring.done() and actor.held == ["m1"]
+    actor.run_gate.set()
+    assert await bounded(running, "m1's batch") == ("m1", 1)
+    assert await bounded(retiring, "m1 retired after its batch") is True
+    assert actor.held == []
     await b.close()
 
 

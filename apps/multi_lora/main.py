@@ -1,0 +1,135 @@
+"""Many adapters, one policy: K LoRA GRPO runs, each with its own task, reward, trainer and buffer,
+sharing one vLLM policy service of R replicas.
+
+Run (the tiny model is made on the fly if missing):
+
+    python -m apps.multi_lora.main --config configs/multi_lora_tiny.yaml
+    python -m apps.multi_lora.main --config configs/multi_lora_tiny.yaml max_loras=1
+
+What it does:
+
+1. Each entry of ``runs`` is a GRPO run (``apps.grpo``'s config ``grpo``, then ``shared``, then
+   its own overrides), trained by the GRPO app's own rollouts and step loop (``run.py``): its
+   trainer trains its adapter, its reward scores its task, its buffer holds its groups, and
+   ``<output_dir>/<name>/metrics.jsonl`` is its own record, with its own policy versions.
+2. One ``MultiLoraPolicy`` service serves every run (``forge.actors.multi_lora_policy``): each
+   request names its run's adapter as its model id, so forge's multiplexing batches each run's
+   prompts together, shares the replicas' execution slots between the runs' batches, routes a
+   run's prompts to the replicas holding its adapter (``model_aware``) and, with ``max_loras``
+   below K, evicts the least recently used idle adapter of a replica to load another.
+3. Every run syncs its adapter to every replica after each step (the replica keeps it on disk,
+   and in vLLM if it holds it), so each run samples from its own newest version.
+4. A run ends on its own: its steps done, or its failure (its reward raised, its trainer died, a
+   role of its own would not start). It stops its roles and its adapter is evicted from every
+   replica; the others go on. The job's ``summary.json`` says how each run ended, and the job
+   exits non-zero if any run failed, naming it.
+
+Simplifications: no checkpoints, resume or trainer restarts (a dead trainer ends its run), no
+held-out evaluation or multi-turn runs; the policy's own metrics are not drained into any run's
+record (they would mix the runs). Policy replicas restart as in the GRPO app, and a restarted
+one loads every live run's newest adapter before it takes traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import forge.controller  # noqa: F401  (before anything imports monarch)
+from apps.common import cli
+from apps.common.roles import POLICY_ENV, RoleFailed
+from apps.grpo.roles import RoleSpec, fault_options, policy_config, prepare_model, start_role
+from apps.multi_lora.adapters import SharedAdapters
+from apps.multi_lora.run import RunResult, run_one
+
+if TYPE_CHECKING:
+    from apps.multi_lora.config import MultiLoraConfig, RunConfig
+
+logger = logging.getLogger("forge.multi_lora")
+
+
+class RunsFailed(RuntimeError):
+    """Some runs of the job failed (the others finished)."""
+
+
+async def start_policy(first: RunConfig, model_path: str, max_loras: int) -> Any:
+    """The shared policy service, configured from the first run (the runs agree on it)."""
+    from forge.actors.multi_lora_policy import MultiLoraPolicy, multi_lora_engine_kwargs
+
+    cfg = first.grpo
+    policy = policy_config(cfg, model_path, cfg.group_size)
+    policy.engine_kwargs = {**policy.engine_kwargs, **multi_lora_engine_kwargs(max_loras)}
+    spec = RoleSpec("policy", MultiLoraPolicy, policy, POLICY_ENV, options={"max_models": max_loras})
+    return await start_role(spec, cfg, {}, None, **fault_options(cfg))
+
+
+async def run(cfg: MultiLoraConfig, terminal: Any, resume_from: Path | None = None) -> str:
+    """Start the shared policy, run every run to its own end, stop; returns the summary."""
+    t0 = time.perf_counter()
+    runs = cfg.run_configs()
+    for r in runs:
+        cli.record_config(r.grpo, terminal, f"multi_lora/{r.name}")
+    model_path = prepare_model(runs[0].grpo)
+    max_loras = cfg.adapters_per_replica
+    policy = None
+    try:
+        policy = await start_policy(runs[0], model_path, max_loras)
+    except Exception as exc:
+        raise RoleFailed("policy", f"the shared policy did not start: {exc}") from exc
+    try:
+        adapters = SharedAdapters(policy, runs[0].grpo.faults.health_timeout_s)
+        policy.set_resync(adapters.resync)  # a restarted replica serves every live run's newest adapter
+        results = await asyncio.gather(*(run_one(r, adapters, model_path, terminal) for r in runs))
+        models = policy.metrics().get("models", {})
+    finally:
+        await policy.shutdown()
+    return report(cfg, results, models, time.perf_counter() - t0)
+
+
+def report(cfg: MultiLoraConfig, results: list[RunResult], models: dict[str, Any], seconds: float) -> str:
+    """Write ``<output_dir>/summary.json``; the job's summary, or ``RunsFailed`` naming the failed runs."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    keep = ("loads", "evictions", "hits", "misses", "load_failures")
+    summary = {
+        "seconds": seconds,
+        "max_loras": cfg.adapters_per_replica,
+        "runs": [r.as_dict() for r in results],
+        "policy_models": {k: models.get(k) for k in keep},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    lines = [f"multi_lora: {len(results)} runs in {seconds:.1f}s (summary {out / 'summary.json'})"]
+    lines += [f"  {r.name}: {r.summary or 'FAILED: ' + r.error}" for r in results]
+    failed = [r for r in results if not r.ok]
+    if failed:
+        names = ", ".join(f"{r.name} ({r.error})" for r in failed)
+        raise RunsFailed(f"{len(failed)} of {len(results)} runs failed: {names}\n" + "\n".join(lines))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: returns the process exit code (``apps.common.cli``)."""
+
+    def schema() -> type:
+        from apps.multi_lora.config import MultiLoraConfig
+
+        return MultiLoraConfig
+
+    return cli.main(
+        "multi_lora",
+        schema,
+        run,
+        argv,
+        description="K LoRA GRPO runs sharing one policy service (see the module docstring).",
+        resumable=False,
+        failures=(RoleFailed, RunsFailed),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
