@@ -50,22 +50,10 @@ def tiny_model(folder: Path) -> Path:
 
 def random_adapters(model_dir: Path, k: int) -> list[dict[str, Any]]:
     """``k`` rank-16 adapters with random non-zero weights, as a trainer sends them."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from forge.models.lora import LoraSettings, adapter_tensors, inject
+    from forge.models.lora import LoraSettings, random_adapter
 
     settings = LoraSettings(rank=RANK, alpha=32.0, target_modules=TARGETS)
-    out = []
-    for seed in range(k):
-        model = inject(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), settings, str(model_dir))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        out.append(adapter_tensors(model, model.state_dict()))
-    return out
+    return [random_adapter(str(model_dir), settings, seed, scale=0.1)[1] for seed in range(k)]
 
 
 async def start_policy(model_dir: Path, replicas: int, max_loras: int, router: str | None = None) -> Any:

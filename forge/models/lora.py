@@ -33,6 +33,7 @@ __all__ = [
     "ADAPTER_WEIGHTS",
     "LoraSettings",
     "adapter_tensors",
+    "random_adapter",
     "check_targets",
     "export_merged",
     "inject",
@@ -126,6 +127,23 @@ def adapter_tensors(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -
 
     tensors = get_peft_model_state_dict(model, state_dict=dict(state))
     return {name: t.detach().contiguous() for name, t in tensors.items()}
+
+
+def random_adapter(
+    base_model: str, settings: LoraSettings, seed: int, scale: float
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The base at ``base_model`` with an adapter of random weights (``scale`` x a seeded normal;
+    a fresh adapter's zero ``lora_B`` would change nothing), in eval mode, and the adapter's
+    tensors: a known adapter for the tests and benchmarks that check what serves it."""
+    from transformers import AutoModelForCausalLM
+
+    model = inject(AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32), settings, base_model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+    return model.eval(), adapter_tensors(model, model.state_dict())
 
 
 def write_adapter_folder(

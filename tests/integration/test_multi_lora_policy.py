@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from forge.actors import PolicyConfig  # noqa: E402
 from forge.actors.multi_lora_policy import MultiLoraPolicy, multi_lora_engine_kwargs  # noqa: E402
 from forge.models import sequence_logprobs  # noqa: E402
-from forge.models.lora import LoraSettings, adapter_tensors, inject  # noqa: E402
+from forge.models.lora import LoraSettings, random_adapter  # noqa: E402
 from forge.types import Prompt  # noqa: E402
 from tests.numerics import assert_close_to_scale  # noqa: E402
 
@@ -32,15 +32,7 @@ TIMEOUT_S = 60.0
 
 def _adapter(model_dir: Path, seed: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """A PEFT model over the tiny base with random adapter weights, and its adapter tensors."""
-    from transformers import AutoModelForCausalLM
-
-    model = inject(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), SETTINGS, str(model_dir))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    return model.eval(), adapter_tensors(model, model.state_dict())
+    return random_adapter(str(model_dir), SETTINGS, seed, scale=0.3)
 
 
 async def _check(svc, adapter_id: str, want_model: torch.nn.Module, version: int) -> None:

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 from forge.generation import VllmEngine  # noqa: E402
 from forge.models import sequence_logprobs  # noqa: E402
-from forge.models.lora import LoraSettings, adapter_tensors, inject, write_adapter_folder  # noqa: E402
+from forge.models.lora import LoraSettings, random_adapter, write_adapter_folder  # noqa: E402
 from tests.numerics import assert_close_to_scale  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -33,16 +33,9 @@ PROMPTS = ["371=", "12*4=", "what is 5-2?", "1+2=" * 20]
 
 def _adapter(model_dir: Path, folder: Path, seed: int) -> torch.nn.Module:
     """A PEFT model over the tiny base with random (non-zero) adapter weights, saved at ``folder``."""
-    from transformers import AutoModelForCausalLM
-
-    model = inject(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), SETTINGS, str(model_dir))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    write_adapter_folder(folder, adapter_tensors(model, model.state_dict()), SETTINGS, str(model_dir))
-    return model.eval()
+    model, tensors = random_adapter(str(model_dir), SETTINGS, seed, scale=0.3)
+    write_adapter_folder(folder, tensors, SETTINGS, str(model_dir))
+    return model
 
 
 @pytest.fixture(scope="module")
