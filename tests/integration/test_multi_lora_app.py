@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from app_runs import REPO, finish_app
 
 pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.timeout(150)
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
@@ -51,12 +51,7 @@ def _start_job(tmp_path: Path, runs: list[dict], max_loras: int) -> subprocess.P
 
 def _finish_job(proc: subprocess.Popen, tmp_path: Path, timeout: float = 140) -> tuple[int, str, dict]:
     """The job's exit code, stderr and summary.json; a job past ``timeout`` is killed and fails the test."""
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        pytest.fail(f"the job did not finish within {timeout}s\nstderr:\n{err[-3000:]}")
+    _, _, err = finish_app(proc, timeout)
     summary_path = tmp_path / "out" / "summary.json"
     assert summary_path.is_file(), f"exit {proc.returncode}\nstderr:\n{err[-3000:]}"
     return proc.returncode, err, json.loads(summary_path.read_text())
