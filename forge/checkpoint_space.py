@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from forge.staging import free_space
+from forge.staging import free_space, says_disk_full
 
 __all__ = ["check_space", "checkpoint_bytes", "no_room"]
 
@@ -40,7 +40,7 @@ def no_room(error: BaseException, staging: Path, needed: int) -> OSError | None:
     room itself: what was still to write did not fit in what is free."""
     written = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file()) if staging.exists() else 0
     free = shutil.disk_usage(staging.parent).free
-    said = "No space left on device" in str(error) or getattr(error, "errno", None) == errno.ENOSPC
+    said = says_disk_full(error)
     if not said and free >= needed - written:
         return None
     return OSError(

@@ -8,13 +8,14 @@ and moves it into place only when every file is written.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["free_space", "staged_folder"]
+__all__ = ["free_space", "says_disk_full", "staged_folder"]
 
 
 @contextlib.contextmanager
@@ -50,3 +51,9 @@ def free_space(folder: str | os.PathLike) -> tuple[Path, int]:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     return probe, shutil.disk_usage(probe).free
+
+
+def says_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` reports a full filesystem: an ``OSError(ENOSPC)``, or a library's own
+    error type carrying the OS's words (safetensors and DCP wrap the write's error)."""
+    return getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error)

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from forge.generation.weight_folder import private_folder
+from forge.staging import says_disk_full
 
 __all__ = ["StaleWeightFile", "WeightFiles", "read_weights", "remove_orphaned_weight_files"]
 
@@ -239,7 +240,7 @@ class WeightFiles:
             partial = self.folder / f"weights-{os.getpid()}-{len(self._files)}.safetensors"
             self.close()
             partial.unlink(missing_ok=True)
-            if "No space left on device" not in str(error) and getattr(error, "errno", None) != errno.ENOSPC:
+            if not says_disk_full(error):
                 raise
             one = sum(t.numel() * t.element_size() for t in state.values())
             raise OSError(
