@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE))  # rollout_scale's stand-ins and TenTurns import b
 import forge.controller  # noqa: E402,F401  (before monarch)
 from apps.common.roles import QUIET_ENV  # noqa: E402
 from apps.grpo.multiturn import MultiTurnRollouts  # noqa: E402
+from apps.grpo.rollout_workers import WorkerSettings, start_rollout_workers, stop_rollout_workers  # noqa: E402
 from forge.envs import EnvActor, EnvConfig, EnvSessionRouter, SessionAffinity  # noqa: E402
 from forge.envs.base import Action, Environment, StepResult  # noqa: E402
 from forge.types import Prompt  # noqa: E402
@@ -81,29 +82,38 @@ async def start_roles(replicas: int, turns: int, turn_tokens: int) -> Any:
     return roles
 
 
-async def run_cell(roles: Any, trajectories: int, steps: int, turns: int, turn_tokens: int) -> dict[str, Any]:
-    """``steps`` measured steps (after a warm-up step) of ``trajectories`` trajectories each."""
+def limits(turns: int, turn_tokens: int) -> dict[str, int]:
+    """``MultiTurnRollouts``' limits for episodes of ``turns`` turns of ``turn_tokens`` tokens."""
+    max_model_len = 16 + turns * (turn_tokens + OBSERVATION_TOKENS) + turn_tokens
+    return {"max_turns": turns, "max_tokens": turn_tokens, "max_model_len": max_model_len}
+
+
+async def run_cell(
+    roles: Any, trajectories: int, steps: int, turns: int, turn_tokens: int, workers: int = 0
+) -> dict[str, Any]:
+    """``steps`` measured steps (after a warm-up step) of ``trajectories`` trajectories each; with
+    ``workers`` (``roles.rollout`` started), the trajectories are played by the rollout workers."""
     import rollout_scale
 
     prompts = trajectories // GROUP_SIZE
-    cell = f"mt{trajectories}x{len(roles.policy.service.replicas)}"
+    cell = f"mt{trajectories}x{len(roles.policy.service.replicas)}w{workers}"
     await rollout_scale.start_local(roles, prompts, cell)
-    max_model_len = 16 + turns * (turn_tokens + OBSERVATION_TOKENS) + turn_tokens
     rollouts = MultiTurnRollouts(
-        roles, GROUP_SIZE, prompts, prompts, max_turns=turns, max_tokens=turn_tokens, max_model_len=max_model_len
+        roles, GROUP_SIZE, prompts, prompts, workers=roles.rollout if workers else None, **limits(turns, turn_tokens)
     )
-    workers = rollouts.start()
+    tasks = rollouts.start()
     try:
-        stored, cpu, wall, main = await rollout_scale.timed_steps(roles, rollouts, workers, prompts, steps)
+        stored, cpu, wall, main = await rollout_scale.timed_steps(roles, rollouts, tasks, prompts, steps)
         played = stored * GROUP_SIZE * turns
         if rollouts.counts.lost or rollouts.failed_trajectories:
             raise AssertionError(f"cell {cell}: {rollouts.group_counts()}, {rollouts.failed_trajectories} failed")
     finally:
-        await rollout_scale.stop_cell(roles, rollouts, workers)
+        await rollout_scale.stop_cell(roles, rollouts, tasks)
     return {
         "trajectories_per_step": trajectories,
         "turns_per_trajectory": turns,
         "replicas": len(roles.policy.service.replicas),
+        "workers": workers,
         "steps": steps,
         "controller_us_per_turn": cpu / max(played, 1) * 1e6,
         "turns_per_s": steps * trajectories * turns / wall,
@@ -119,23 +129,54 @@ async def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     for n in args.replicas:
         roles = await start_roles(n, args.turns, args.turn_tokens)
         try:
-            for t in args.trajectories:
-                cells.append(await run_cell(roles, t, args.steps, args.turns, args.turn_tokens))
-                c = cells[-1]
-                print(
-                    f"{t:>12d} {n:>8d} {c['controller_us_per_turn']:>12.1f} {c['turns_per_s']:>10.0f} "
-                    f"{c['controller_main_thread_share']:>9.2f}",
-                    flush=True,
-                )
+            for w in args.workers:
+                views = None
+                if w:
+                    settings = WorkerSettings(GROUP_SIZE, multiturn=limits(args.turns, args.turn_tokens))
+                    roles.rollout, views = await start_rollout_workers(roles, w, settings)
+                try:
+                    for t in args.trajectories:
+                        cells.append(await run_cell(roles, t, args.steps, args.turns, args.turn_tokens, w))
+                        print_row(cells[-1])
+                finally:
+                    await stop_rollout_workers(roles, views)
         finally:
             await roles.stop(timeout_s=60)
     return cells
+
+
+def print_row(c: dict[str, Any]) -> None:
+    print(
+        f"{c['trajectories_per_step']:>12d} {c['replicas']:>8d} {c['workers']:>7d} "
+        f"{c['controller_us_per_turn']:>12.1f} {c['turns_per_s']:>10.0f} {c['controller_main_thread_share']:>9.2f}",
+        flush=True,
+    )
+
+
+def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """``controller_us_per_turn`` at the largest cell of the most workers swept; the same per
+    worker count under ``by_workers``; then the table."""
+
+    def largest(of: list[dict[str, Any]]) -> dict[str, Any]:
+        return max(of, key=lambda c: (c["trajectories_per_step"], c["replicas"]))
+
+    counts = sorted({c["workers"] for c in cells})
+    by_workers = {str(w): largest([c for c in cells if c["workers"] == w])["controller_us_per_turn"] for w in counts}
+    return {
+        "controller_us_per_turn": by_workers[str(counts[-1])],
+        "workers": counts[-1],
+        "by_workers": by_workers,
+        "cells": cells,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trajectories", type=int, nargs="+", default=[256, 1024], help="trajectories a step")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2], help="replicas of each stand-in role")
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[0, 2], help="rollout workers (0: the controller plays them)"
+    )
     parser.add_argument("--turns", type=int, default=10, help="turns of every trajectory")
     parser.add_argument("--turn-tokens", type=int, default=8, help="tokens the policy samples a turn")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per cell (after one warm-up step)")
@@ -143,12 +184,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if any(t % GROUP_SIZE or t < GROUP_SIZE for t in args.trajectories):
         parser.error(f"--trajectories must be multiples of the group size {GROUP_SIZE}, got {args.trajectories}")
+    if any(w < 0 for w in args.workers):
+        parser.error(f"--workers must be 0 (none) or more, got {args.workers}")
     if args.turns < 1 or args.turn_tokens < 1:
         parser.error(f"--turns and --turn-tokens must be >= 1, got {args.turns} and {args.turn_tokens}")
-    print(f"{'traj/step':>12s} {'replicas':>8s} {'ctrl us/turn':>12s} {'turns/s':>10s} {'main thr':>9s}")
-    cells = asyncio.run(sweep(args))
-    largest = max(cells, key=lambda c: (c["trajectories_per_step"], c["replicas"]))
-    results = {"controller_us_per_turn": largest["controller_us_per_turn"], "cells": cells}
+    header = f"{'traj/step':>12s} {'replicas':>8s} {'workers':>7s} {'ctrl us/turn':>12s} {'turns/s':>10s}"
+    print(f"{header} {'main thr':>9s}")
+    results = summary(asyncio.run(sweep(args)))
     ok = results["controller_us_per_turn"] <= 30
     print(f"controller_us_per_turn {results['controller_us_per_turn']:.1f}  goal <= 30  {'met' if ok else 'MISSED'}")
     if args.out:

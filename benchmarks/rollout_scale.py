@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))  # this checkout's forge and apps, whatever the ve
 import forge.controller  # noqa: E402,F401  (before monarch)
 from apps.common.roles import QUIET_ENV  # noqa: E402
 from apps.grpo.roles import Roles  # noqa: E402
+from apps.grpo.rollout_workers import WorkerSettings, start_rollout_workers, stop_rollout_workers  # noqa: E402
 from apps.grpo.rollouts import Rollouts  # noqa: E402
 from forge.actors import (  # noqa: E402
     Dataset,
@@ -133,6 +134,7 @@ async def start_stand_ins(
     group_size: int = GROUP_SIZE,
     response_tokens: int = RESPONSE_TOKENS,
     reward_cls: type[RewardActor] = RewardActor,
+    policy_cls: type[Policy] | None = None,
 ) -> Roles:
     """The stand-in policy, reference and reward services, routed as ``apps.grpo.roles.role_specs``
     routes the real ones; ``group_size``: completions the policy returns per prompt. The replicas
@@ -140,9 +142,9 @@ async def start_stand_ins(
     policy = PolicyConfig(model_path="stand-in", group_size=group_size, max_tokens=response_tokens)
     common = {"procs": 1, "num_replicas": replicas, "env": QUIET_ENV}
     starts = await asyncio.gather(
-        StandInPolicy.options(name="policy", endpoint_routers={"generate": "key_affinity"}, **common).as_service(
-            policy
-        ),
+        (policy_cls or StandInPolicy)
+        .options(name="policy", endpoint_routers={"generate": "key_affinity"}, **common)
+        .as_service(policy),
         StandInReference.options(name="reference", router="least_loaded", **common).as_service(
             ReferenceConfig(model_path="stand-in")
         ),
@@ -234,26 +236,30 @@ async def stop_cell(roles: Roles, rollouts: Rollouts, workers: list[asyncio.Task
     roles.local = []
 
 
-async def run_cell(roles: Roles, sequences: int, steps: int, profile: cProfile.Profile | None = None) -> dict[str, Any]:
-    """``steps`` measured steps (after one warm-up step) of ``sequences`` sequences each."""
+async def run_cell(
+    roles: Roles, sequences: int, steps: int, profile: cProfile.Profile | None = None, workers: int = 0
+) -> dict[str, Any]:
+    """``steps`` measured steps (after one warm-up step) of ``sequences`` sequences each; with
+    ``workers`` (``roles.rollout`` started), the groups are made by the rollout workers."""
     prompts = sequences // GROUP_SIZE
-    cell = f"{sequences}x{len(roles.policy.service.replicas)}"
+    cell = f"{sequences}x{len(roles.policy.service.replicas)}w{workers}"
     await start_local(roles, prompts, cell)
     # The app's defaults: rollout.concurrency = prompts_per_step, max_buffered = prompts_per_step.
-    rollouts = Rollouts(roles, GROUP_SIZE, prompts, prompts)
-    workers = rollouts.start()
+    rollouts = Rollouts(roles, GROUP_SIZE, prompts, prompts, workers=roles.rollout if workers else None)
+    tasks = rollouts.start()
     try:
-        stored, cpu, wall, main = await timed_steps(roles, rollouts, workers, prompts, steps, profile)
+        stored, cpu, wall, main = await timed_steps(roles, rollouts, tasks, prompts, steps, profile)
         produced = stored * GROUP_SIZE
         if rollouts.counts.lost:
             raise AssertionError(f"{rollouts.counts.lost} groups lost in cell {cell}: {rollouts.group_counts()}")
     finally:
-        await stop_cell(roles, rollouts, workers)
+        await stop_cell(roles, rollouts, tasks)
     trained = steps * sequences
     return {
         "sequences_per_step": sequences,
         "prompts_per_step": prompts,
         "replicas": len(roles.policy.service.replicas),
+        "workers": workers,
         "steps": steps,
         # Per sequence produced (scored and stored) in the window: the work the CPU paid for.
         "controller_us_per_sequence": cpu / max(produced, 1) * 1e6,
@@ -262,7 +268,8 @@ async def run_cell(roles: Roles, sequences: int, steps: int, profile: cProfile.P
         "wall_s": wall,
         "controller_cpu_share": cpu / wall,
         # Of the controller's CPU, the share on the event loop's thread (Python: forge, asyncio,
-        # pickling); the rest ran on Monarch's runtime threads (message transport).
+        # pickling); the rest ran on Monarch's runtime threads (message transport) and the
+        # buffer's and dataset's actors.
         "controller_main_thread_share": main / cpu if cpu else 0.0,
         "sequences_produced": produced,
         "sequences_trained": trained,
@@ -270,25 +277,34 @@ async def run_cell(roles: Roles, sequences: int, steps: int, profile: cProfile.P
 
 
 # ----------------------------------------------------------------------------- sweep
-async def sweep(sequences: list[int], replicas: list[int], steps: int, profile: str | None) -> list[dict[str, Any]]:
+async def sweep(
+    sequences: list[int], replicas: list[int], workers: list[int], steps: int, profile: str | None
+) -> list[dict[str, Any]]:
     cells = []
     for n in replicas:
         roles = await start_stand_ins(n)
         try:
-            for s in sequences:
-                prof = cProfile.Profile(time.thread_time) if profile else None  # CPU, not idle waits
-                cells.append(await run_cell(roles, s, steps, prof))
-                print_row(cells[-1])
-                if prof is not None:
-                    path = profile if len(sequences) * len(replicas) == 1 else f"{profile}.{s}x{n}"
-                    prof.dump_stats(path)
+            for w in workers:
+                publisher = None
+                if w:
+                    roles.rollout, publisher = await start_rollout_workers(roles, w, WorkerSettings(GROUP_SIZE))
+                try:
+                    for s in sequences:
+                        prof = cProfile.Profile(time.thread_time) if profile else None  # CPU, not idle waits
+                        cells.append(await run_cell(roles, s, steps, prof, w))
+                        print_row(cells[-1])
+                        if prof is not None:
+                            single = len(sequences) * len(replicas) * len(workers) == 1
+                            prof.dump_stats(profile if single else f"{profile}.{s}x{n}w{w}")
+                finally:
+                    await stop_rollout_workers(roles, publisher)
         finally:
             await roles.stop(timeout_s=60)
     return cells
 
 
-def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    """The three keys (at the largest replica count that has both sizes), then the table."""
+def keys(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """The three keys, at the largest replica count that has the sizes."""
     out: dict[str, Any] = {}
     at = {(c["sequences_per_step"], c["replicas"]): c for c in cells}
     for n in sorted({c["replicas"] for c in cells}, reverse=True):
@@ -300,6 +316,16 @@ def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
         if big is not None and small is not None:
             growth = big["controller_us_per_sequence"] / small["controller_us_per_sequence"]
             out.setdefault("controller_cost_growth_16k_vs_512", growth)
+    return out
+
+
+def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """The keys with the most workers swept (``workers_16k``), the same keys for every worker
+    count under ``by_workers`` (0: the controller makes the groups itself), then the table."""
+    counts = sorted({c["workers"] for c in cells})
+    by_workers = {w: keys([c for c in cells if c["workers"] == w]) for w in counts}
+    out: dict[str, Any] = {**by_workers[counts[-1]], "workers_16k": counts[-1]}
+    out["by_workers"] = {str(w): k for w, k in by_workers.items()}
     out["cells"] = cells
     return out
 
@@ -313,8 +339,9 @@ GOALS = {
 
 def print_row(c: dict[str, Any]) -> None:
     print(
-        f"{c['sequences_per_step']:>9d} {c['replicas']:>8d} {c['controller_us_per_sequence']:>12.1f} "
-        f"{c['sequences_per_s']:>10.0f} {c['controller_cpu_share']:>9.2f} {c['controller_main_thread_share']:>9.2f}",
+        f"{c['sequences_per_step']:>9d} {c['replicas']:>8d} {c['workers']:>7d} "
+        f"{c['controller_us_per_sequence']:>12.1f} {c['sequences_per_s']:>10.0f} "
+        f"{c['controller_cpu_share']:>9.2f} {c['controller_main_thread_share']:>9.2f}",
         flush=True,
     )
 
@@ -331,14 +358,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, nargs="+", default=[512, 4096, 16384], help="sequences a step")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 8], help="replicas of each stand-in role")
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[0, 2], help="rollout workers (0: the controller makes the groups)"
+    )
     parser.add_argument("--steps", type=int, default=4, help="measured steps per cell (after one warm-up step)")
     parser.add_argument("--profile", help="cProfile the controller's measured steps into this file")
     parser.add_argument("--out", help="write the results as JSON to this file")
     args = parser.parse_args(argv)
     if any(s % GROUP_SIZE or s < GROUP_SIZE for s in args.sequences):
         parser.error(f"--sequences must be multiples of the group size {GROUP_SIZE}")
-    print(f"{'seq/step':>9s} {'replicas':>8s} {'ctrl us/seq':>12s} {'seq/s':>10s} {'ctrl CPU':>9s} {'main thr':>9s}")
-    results = summary(asyncio.run(sweep(args.sequences, args.replicas, args.steps, args.profile)))
+    if any(w < 0 for w in args.workers):
+        parser.error(f"--workers must be 0 (none) or more, got {args.workers}")
+    header = f"{'seq/step':>9s} {'replicas':>8s} {'workers':>7s} {'ctrl us/seq':>12s} {'seq/s':>10s}"
+    print(f"{header} {'ctrl CPU':>9s} {'main thr':>9s}")
+    results = summary(asyncio.run(sweep(args.sequences, args.replicas, args.workers, args.steps, args.profile)))
     print_goals(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -6,6 +6,7 @@ Token ids and logprobs are tensors so that they cross process boundaries as tens
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,59 @@ class Group:
     @property
     def policy_version(self) -> int:
         return min(c.policy_version for c in self.completions)
+
+
+@dataclass
+class PackedGroup:
+    """One prompt's completions in flat tensors: what ``Policy.generate`` hands each caller.
+
+    The same questions as ``Group`` (``prompt``, ``completions``, ``policy_version``), plus the
+    flat fields that the rollouts turn into an ``EpisodeBatch`` with a few tensor operations per
+    group instead of a dozen per completion (the controller's cost per sequence; section 17 of
+    ``docs/benchmarks.md``). ``completions`` is made on first use only.
+    """
+
+    prompt: Prompt
+    prompt_ids: torch.Tensor  # int64 [P], shared by every completion
+    token_ids: torch.Tensor  # int64 [sum T], completion after completion
+    logprobs: torch.Tensor  # float32 [sum T]
+    response_lens: list[int]
+    texts: list[str]
+    finish_reasons: list[str]
+    policy_version: int
+
+    def __len__(self) -> int:
+        return len(self.response_lens)
+
+    @classmethod
+    def of(cls, group: Group | PackedGroup) -> PackedGroup:
+        """``group`` packed (a ``Group`` from a policy of the user's own), or as it is."""
+        if isinstance(group, PackedGroup):
+            return group
+        completions = group.completions
+        if not completions:
+            raise ValueError(f"group of prompt {group.prompt.prompt_id!r} has no completions")
+        return cls(
+            prompt=group.prompt,
+            prompt_ids=completions[0].prompt_ids,
+            token_ids=torch.cat([c.token_ids for c in completions]),
+            logprobs=torch.cat([c.logprobs for c in completions]),
+            response_lens=[int(c.token_ids.numel()) for c in completions],
+            texts=[c.text for c in completions],
+            finish_reasons=[c.finish_reason for c in completions],
+            policy_version=group.policy_version,
+        )
+
+    @functools.cached_property
+    def completions(self) -> list[Completion]:
+        from forge.controller.wire import split_for_wire
+
+        tokens = split_for_wire(self.token_ids, self.response_lens)
+        logprobs = split_for_wire(self.logprobs, self.response_lens)
+        return [
+            Completion(self.prompt_ids, t, lp, text, self.policy_version, reason)
+            for t, lp, text, reason in zip(tokens, logprobs, self.texts, self.finish_reasons)
+        ]
 
 
 @dataclass
@@ -124,6 +178,39 @@ class EpisodeBatch:
         )
 
     @classmethod
+    def of_group(
+        cls,
+        group: PackedGroup,
+        group_id: str,
+        ref_logprobs: torch.Tensor,
+        rewards: torch.Tensor,
+        advantages: torch.Tensor,
+    ) -> EpisodeBatch:
+        """One scored group straight from its packed completions (``ref_logprobs`` flat, like
+        ``group.logprobs``; ``rewards`` and ``advantages`` one per completion): a few tensor
+        operations, whatever the group's size."""
+        n = len(group)
+        if ref_logprobs.numel() != group.token_ids.numel() or rewards.numel() != n or advantages.numel() != n:
+            raise ValueError(
+                f"group {group_id}: {n} completions of {group.token_ids.numel()} tokens, but "
+                f"{ref_logprobs.numel()} reference logprobs, {rewards.numel()} rewards, {advantages.numel()} advantages"
+            )
+        prompt_len = int(group.prompt_ids.numel())
+        return cls(
+            group_ids=[group_id] * n,
+            prompt_ids=group.prompt_ids.long().repeat(n),
+            prompt_lens=torch.full((n,), prompt_len, dtype=torch.long),
+            response_ids=group.token_ids.long(),
+            response_lens=torch.tensor(group.response_lens, dtype=torch.long),
+            behaviour_logprobs=group.logprobs.float(),
+            ref_logprobs=ref_logprobs.float(),
+            rewards=rewards.float(),
+            advantages=advantages.float(),
+            policy_versions=torch.full((n,), group.policy_version, dtype=torch.long),
+            finish_reasons=list(group.finish_reasons),
+        )
+
+    @classmethod
     def concat(cls, batches: list[EpisodeBatch]) -> EpisodeBatch:
         if not batches:
             raise ValueError("EpisodeBatch.concat needs at least one batch")
@@ -149,8 +236,11 @@ class EpisodeBatch:
         )
 
     def split(self, sizes: list[int]) -> list[EpisodeBatch]:
-        """Consecutive batches of ``sizes`` episodes each (the inverse of ``concat``); copies, not
-        views, so that each piece can be sent on alone without carrying the others' storage."""
+        """Consecutive batches of ``sizes`` episodes each (the inverse of ``concat``); each piece
+        can be sent on alone without carrying the others' storage (``forge.controller.wire.for_wire``:
+        views where the fast tensor path sends only a view's elements, else copies)."""
+        from forge.controller.wire import for_wire
+
         if any(n < 1 for n in sizes) or sum(sizes) != len(self):
             raise ValueError(f"split sizes {sizes} must be positive and add up to the batch's {len(self)} episodes")
         bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
@@ -162,16 +252,16 @@ class EpisodeBatch:
             pieces.append(
                 EpisodeBatch(
                     group_ids=self.group_ids[a:b],
-                    prompt_ids=self.prompt_ids[p0:p1].clone(),
-                    prompt_lens=self.prompt_lens[a:b].clone(),
-                    response_ids=self.response_ids[r0:r1].clone(),
-                    response_lens=self.response_lens[a:b].clone(),
-                    behaviour_logprobs=self.behaviour_logprobs[r0:r1].clone(),
-                    ref_logprobs=self.ref_logprobs[r0:r1].clone(),
-                    rewards=self.rewards[a:b].clone(),
-                    advantages=self.advantages[a:b].clone(),
-                    policy_versions=self.policy_versions[a:b].clone(),
-                    loss_mask=self.loss_mask[r0:r1].clone() if self.loss_mask is not None else None,
+                    prompt_ids=for_wire(self.prompt_ids[p0:p1]),
+                    prompt_lens=for_wire(self.prompt_lens[a:b]),
+                    response_ids=for_wire(self.response_ids[r0:r1]),
+                    response_lens=for_wire(self.response_lens[a:b]),
+                    behaviour_logprobs=for_wire(self.behaviour_logprobs[r0:r1]),
+                    ref_logprobs=for_wire(self.ref_logprobs[r0:r1]),
+                    rewards=for_wire(self.rewards[a:b]),
+                    advantages=for_wire(self.advantages[a:b]),
+                    policy_versions=for_wire(self.policy_versions[a:b]),
+                    loss_mask=for_wire(self.loss_mask[r0:r1]) if self.loss_mask is not None else None,
                     finish_reasons=self.finish_reasons[a:b] if self.finish_reasons is not None else None,
                 )
             )

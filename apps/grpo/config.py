@@ -171,6 +171,11 @@ class RolloutSection:
     train with zero advantages) and a warning is logged once for the step, so a task where nearly
     every group is uniform still trains instead of generating forever. None (null):
     ``4 * prompts_per_step``; 0 drops none."""
+    workers: int | None = None
+    """Rollout worker processes that make the groups (``apps.grpo.rollout_workers``): each runs
+    the policy, reward, reference (and env) requests of the groups it is sent, so the controller
+    sends one request per group. null: the controller makes every group itself. Between 1 and
+    the prompts in flight (``concurrency``)."""
 
     def __post_init__(self) -> None:
         bound = self.max_dropped_per_step
@@ -323,6 +328,7 @@ class GRPOConfig:
             raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.trainer.keep_checkpoints}")
         if self.max_policy_age < 0:
             raise ValueError(f"max_policy_age must be >= 0, got {self.max_policy_age}")
+        self._check_rollout_workers()
         if self.policy.top_p != 1.0:
             raise ValueError(
                 f"policy.top_p must be 1.0, got {self.policy.top_p}: the trainer's logprobs "
@@ -504,6 +510,21 @@ class GRPOConfig:
     def checkpoint_dir(self) -> str:
         """Where the run's checkpoints go: ``<logging.output_dir>/checkpoints``."""
         return str(Path(self.logging.output_dir) / "checkpoints")
+
+    def _check_rollout_workers(self) -> None:
+        workers = self.rollout.workers
+        if workers is None:
+            return
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(
+                f"rollout.workers must be a number of worker processes >= 1 (or null: the controller makes the "
+                f"groups), got {workers!r}"
+            )
+        if workers > self.rollout_concurrency:
+            raise ValueError(
+                f"rollout.workers={workers} is more than the prompts in flight (rollout.concurrency, or "
+                f"prompts_per_step: {self.rollout_concurrency}); a worker would have no group to make"
+            )
 
     @property
     def rollout_concurrency(self) -> int:

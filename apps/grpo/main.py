@@ -68,7 +68,8 @@ from apps.common.evaluation import EvalPlan, EvalRuns
 from apps.common.weights import PolicyWeights
 from apps.grpo.faults import RoleWatch, resume_hint
 from apps.grpo.multiturn import MultiTurnRollouts
-from apps.grpo.roles import RoleFailed, Roles, job_gone, prepare_model, start_roles, stop_roles
+from apps.grpo.roles import RoleFailed, Roles, fault_options, job_gone, prepare_model, start_roles, stop_roles
+from apps.grpo.rollout_workers import ViewPublisher, WorkerSettings, start_rollout_workers, stop_rollout_workers
 from apps.grpo.rollouts import Rollouts
 from apps.grpo.run_log import RunLog
 from apps.grpo.trainer_restart import TrainerRestarts, trainer_died
@@ -95,6 +96,7 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
     roles = Roles()
     log: RunLog | None = None
     rollouts: Rollouts | None = None
+    views: ViewPublisher | None = None
     tasks: list[asyncio.Task] = []
     try:
         roles = await start_roles(cfg, model_path)
@@ -109,6 +111,9 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         )
         # A restarted policy replica loads the weights the others serve before it takes traffic.
         roles.policy.set_resync(roles.weights.resync)
+        if cfg.rollout.workers:  # the groups are made in worker processes (rollout_workers.py)
+            workers, settings = cfg.rollout.workers, WorkerSettings.from_config(cfg)
+            roles.rollout, views = await start_rollout_workers(roles, workers, settings, **fault_options(cfg))
         await watch.watch_actor("trainer", roles.trainer)
         step, version = (0, 0) if resume_from is None else await resume(cfg, roles, resume_from)
         if plan is not None:  # the first evaluation: the weights training starts from
@@ -169,6 +174,7 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
             await rollouts.close()
         if log is not None:
             log.close()
+        await stop_rollout_workers(roles, views)
         watch.stopping = True  # stays installed: late reports of stopped processes are silenced
         await stop_roles(roles)
 

@@ -48,6 +48,7 @@ from forge.types import EpisodeBatch, TurnRequest
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
+    from forge.controller import ServiceInterface
 
 logger = logging.getLogger("forge.grpo")
 
@@ -73,9 +74,10 @@ class MultiTurnRollouts(Rollouts):
         max_tokens: int,
         max_model_len: int,
         sampling: DynamicSampling | None = None,
+        workers: ServiceInterface | None = None,
     ) -> None:
-        super().__init__(roles, group_size, concurrency, max_buffered, sampling=sampling)
-        if roles.env is None:
+        super().__init__(roles, group_size, concurrency, max_buffered, sampling=sampling, workers=workers)
+        if roles.env is None and workers is None:
             raise ValueError("multi-turn rollouts need an environment service (env.cls in the config)")
         self.max_turns = max_turns
         self.max_tokens = max_tokens

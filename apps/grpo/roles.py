@@ -46,6 +46,9 @@ class Roles:
     dataset: ActorMesh | None = None
     env: ServiceInterface | None = None
     """The environment service of multi-turn runs (``env.cls``); None for single-turn ones."""
+    rollout: ServiceInterface | None = None
+    """The rollout workers (``rollout.workers``), which make the groups from the controller's
+    prompts; None: the controller makes them itself."""
     local: list[ActorMesh] = field(default_factory=list)
     """The actors in the controller's own process (buffer, dataset)."""
     weights: PolicyWeights | None = None

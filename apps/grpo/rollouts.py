@@ -13,17 +13,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from apps.grpo.group_orders import GroupOrder
 from apps.grpo.roles import RoleFailed, Roles, call_role
 from forge.actors import prompt_key
+from forge.actors.reference_model import ResponseGroup
 from forge.checks import check_int
 from forge.controller import Batcher, Batching
 from forge.losses import group_advantages
 from forge.losses import rewards_uniform as uniform
 from forge.observability import record_metric
-from forge.types import Episode, EpisodeBatch, EpisodeGroups
+from forge.types import EpisodeBatch, EpisodeGroups, PackedGroup
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
+    from forge.controller import ServiceInterface
 
 logger = logging.getLogger("forge.grpo")
 
@@ -169,8 +172,11 @@ class Rollouts:
         max_buffered: int,
         *,
         sampling: DynamicSampling | None = None,
+        workers: ServiceInterface | None = None,
     ) -> None:
         self.roles = roles
+        self.workers = workers
+        """The rollout workers' service (``rollout.workers``), which makes the groups; None: here."""
         self.group_size = group_size
         self.concurrency = concurrency
         self.max_buffered = max_buffered
@@ -196,6 +202,7 @@ class Rollouts:
             cfg.rollout_concurrency,
             cfg.max_buffered_groups,
             sampling=DynamicSampling.from_config(cfg),
+            workers=roles.rollout,
             **extra,
         )
 
@@ -312,19 +319,35 @@ class Rollouts:
         return await call_role("buffer", self.roles.buffer.add_many.call_one(EpisodeGroups.pack(groups)))
 
     async def _produce(self) -> Any:
-        """One prompt's group, generated again (same prompt, same id) after a replica's death."""
+        """The next prompt's group: made here or, with ``rollout.workers``, by a worker."""
         prompt = await self._next_prompt()
-        group_id = f"{prompt.prompt_id}#{next(self._ids)}"
+        group, regenerated = await self.make_group(prompt, f"{prompt.prompt_id}#{next(self._ids)}")
+        self.counts.regenerated += regenerated
+        return group
+
+    async def make_group(self, prompt: Any, group_id: str) -> tuple[EpisodeBatch, int]:
+        """One prompt's group, and how many times it was generated again (same prompt, same id)
+        after a replica's death: here (``one_group``) or by a rollout worker (``from_worker``)."""
+        once = self.one_group if self.workers is None else self.from_worker
         for attempt in range(1, MAX_GROUP_ATTEMPTS + 1):
             try:
-                return await self.one_group(prompt, group_id)
+                return await once(prompt, group_id), attempt - 1
             except RoleFailed as exc:
                 if not exc.recoverable or attempt == MAX_GROUP_ATTEMPTS:
                     raise
-                self.counts.regenerated += 1
                 logger.info("group %s: %s; generating it again (try %d)", group_id, exc, attempt + 1)
                 await asyncio.sleep(min(0.2 * attempt, 2.0))  # the service is restarting the replica
         raise AssertionError("unreachable")
+
+    async def from_worker(self, prompt: Any, group_id: str) -> EpisodeBatch:
+        """The group made by a rollout worker (``apps.grpo.rollout_workers``): one request per
+        group here, every policy, reward and reference request in the worker's process."""
+        assert self.workers is not None
+        made = await call_role("rollout", self.workers.groups.route(GroupOrder(prompt, group_id)))
+        self.counts.regenerated += made.regenerated  # tries the worker made after a replica's death
+        if made.error is not None:
+            raise RoleFailed("rollout", made.error)
+        return made.group
 
     async def _next_prompt(self) -> Any:
         async with self._fetching:
@@ -337,48 +360,31 @@ class Rollouts:
     # One request per group to the reward and the reference, not one per completion: the
     # controller's cost per sequence was its cost per request (docs/benchmarks.md, section 17).
     # Routed inside these coroutines, so a worker cancelled before they run queues nothing.
-    async def _rewards(self, prompt: Any, completions: list[Any]) -> list[Any]:
-        texts = [c.text for c in completions]
-        return await call_role("reward", self.roles.reward.score_groups.route((prompt, texts)))
+    async def _rewards(self, group: PackedGroup) -> list[Any]:
+        return await call_role("reward", self.roles.reward.score_groups.route((group.prompt, group.texts)))
 
-    async def _ref_logprobs(self, completions: list[Any]) -> list[Any]:
+    async def _ref_logprobs(self, group: PackedGroup) -> torch.Tensor:
+        """The group's reference logprobs, flat like ``group.logprobs``."""
         if self.roles.reference is None:  # reference.from_base: the trainer scores the base itself
-            return [torch.zeros(c.token_ids.shape, dtype=torch.float32) for c in completions]
-        group = (completions[0].prompt_ids, [c.token_ids for c in completions])  # one prompt per group
-        return await call_role("reference", self.roles.reference.logprobs_groups.route(group))
+            return torch.zeros(group.token_ids.shape, dtype=torch.float32)
+        responses = ResponseGroup(group.prompt_ids, group.token_ids, group.response_lens)
+        return await call_role("reference", self.roles.reference.logprobs_groups.route(responses))
 
     async def one_group(self, prompt: Any, group_id: str) -> Any:
-        """Prompt -> completions -> rewards and reference logprobs -> scored episodes."""
+        """Prompt -> completions -> rewards and reference logprobs -> scored episodes, packed all
+        the way (``PackedGroup`` in, ``EpisodeBatch.of_group`` out: no object per completion)."""
         roles = self.roles
         t0 = time.perf_counter()
-        group = await call_role("policy", roles.policy.generate.route(prompt, key=prompt_key(prompt)))
+        group = PackedGroup.of(await call_role("policy", roles.policy.generate.route(prompt, key=prompt_key(prompt))))
         t1 = time.perf_counter()
-        completions = group.completions
-        check_count("policy", "completions", self.group_size, len(completions))
-        rewards, ref_logprobs = await asyncio.gather(
-            self._rewards(prompt, completions), self._ref_logprobs(completions)
-        )
-        check_count("reward", "rewards", len(completions), len(rewards))
-        check_count("reference", "reference logprobs", len(completions), len(ref_logprobs))
+        check_count("policy", "completions", self.group_size, len(group))
+        rewards, ref_logprobs = await asyncio.gather(self._rewards(group), self._ref_logprobs(group))
+        check_count("reward", "rewards", len(group), len(rewards))
+        check_count("reference", "reference logprobs", group.token_ids.numel(), ref_logprobs.numel())
         failed = next((r for r in rewards if isinstance(r, Exception)), None)
         if failed is not None:  # a reward function raised on one of the group's responses
             raise RoleFailed("reward", failed)
         record_metric("rollout/generate_latency_s", t1 - t0)
         record_metric("rollout/score_latency_s", time.perf_counter() - t1)
-        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32))
-        return EpisodeBatch.pack(
-            [
-                Episode(
-                    group_id=group_id,
-                    prompt_ids=c.prompt_ids,
-                    response_ids=c.token_ids,
-                    behaviour_logprobs=c.logprobs,
-                    ref_logprobs=ref,
-                    reward=float(r),
-                    advantage=float(a),
-                    policy_version=c.policy_version,
-                    finish_reason=c.finish_reason,  # trainer.mask_truncated reads it
-                )
-                for c, r, a, ref in zip(completions, rewards, advantages.tolist(), ref_logprobs)
-            ]
-        )
+        scores = torch.tensor(rewards, dtype=torch.float32)
+        return EpisodeBatch.of_group(group, group_id, ref_logprobs, scores, group_advantages(scores))

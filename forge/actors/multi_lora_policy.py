@@ -72,7 +72,7 @@ class MultiLoraPolicy(Policy):
     @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_groups"), multiplexed=True)
     async def generate_adapter(self, adapter: ServedAdapter, prompts: list[Any]) -> PackedGroups:
         """``group_size`` completions of each prompt, sampled with the batch's adapter and
-        stamped with its version (through the service each caller gets its own ``Group``)."""
+        stamped with its version (through the service each caller gets its own ``PackedGroup``)."""
         cfg = self.config
         outputs = await self._sample([p.text for p in prompts], cfg.group_size, "policy/batch_prompts", adapter=adapter)
         return PackedGroups.pack(prompts, outputs, cfg.group_size, adapter.version)

@@ -41,7 +41,7 @@ from forge.generation.adapter_inbox import AdapterInbox
 from forge.generation.lora import serving_rank
 from forge.models.lora import LoraSettings
 from forge.observability import record_metric
-from forge.types import Completion, Group, Prompt, SampleRequest, TurnRequest, TurnResult
+from forge.types import Completion, PackedGroup, Prompt, SampleRequest, TurnRequest, TurnResult
 
 __all__ = [
     "PackedGroups",
@@ -135,7 +135,7 @@ class PackedGroups:
     Monarch serialises each tensor of a message separately, at a fixed cost per tensor: a batch
     of 16 prompts x 8 completions as ``Completion`` objects is 384 tensors, a large share of the
     tiny model's generation time (``docs/benchmarks.md``); packed it is three. The service unpacks it into
-    ``Group``s (the endpoint's ``debatch``), so callers of ``generate.route`` never see it.
+    ``PackedGroup``s (the endpoint's ``debatch``), so callers of ``generate.route`` never see it.
     """
 
     prompts: list[Prompt]
@@ -167,26 +167,26 @@ class PackedGroups:
             policy_version=version,
         )
 
-    def unpack(self) -> list[Group]:
+    def unpack(self) -> list[PackedGroup]:
+        """One ``PackedGroup`` per prompt: three tensor slices each, no per-completion objects."""
+        k = self.group_size
+        group_lens = [sum(self.response_lens[i * k : (i + 1) * k]) for i in range(len(self.prompts))]
         prompt_ids = split_for_wire(self.prompt_ids, self.prompt_lens)
-        tokens = split_for_wire(self.token_ids, self.response_lens)
-        logprobs = split_for_wire(self.logprobs, self.response_lens)
-        groups = []
-        for i, prompt in enumerate(self.prompts):
-            ids = prompt_ids[i]
-            completions = [
-                Completion(
-                    prompt_ids=ids,
-                    token_ids=tokens[j],
-                    logprobs=logprobs[j],
-                    text=self.texts[j],
-                    policy_version=self.policy_version,
-                    finish_reason=self.finish_reasons[j],
-                )
-                for j in range(i * self.group_size, (i + 1) * self.group_size)
-            ]
-            groups.append(Group(prompt=prompt, completions=completions))
-        return groups
+        tokens = split_for_wire(self.token_ids, group_lens)
+        logprobs = split_for_wire(self.logprobs, group_lens)
+        return [
+            PackedGroup(
+                prompt=prompt,
+                prompt_ids=prompt_ids[i],
+                token_ids=tokens[i],
+                logprobs=logprobs[i],
+                response_lens=self.response_lens[i * k : (i + 1) * k],
+                texts=self.texts[i * k : (i + 1) * k],
+                finish_reasons=self.finish_reasons[i * k : (i + 1) * k],
+                policy_version=self.policy_version,
+            )
+            for i, prompt in enumerate(self.prompts)
+        ]
 
 
 @dataclass
@@ -240,8 +240,8 @@ class Policy(ForgeActor):
         )
 
     @staticmethod
-    def unpack_groups(packed: PackedGroups, n: int) -> list[Group]:
-        """``generate``'s debatch: the packed batch -> one ``Group`` per caller."""
+    def unpack_groups(packed: PackedGroups, n: int) -> list[PackedGroup]:
+        """``generate``'s debatch: the packed batch -> one ``PackedGroup`` per caller."""
         return _unpacked(packed, n, "Policy.generate", "groups", "prompts")
 
     @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_groups"))
@@ -250,7 +250,7 @@ class Policy(ForgeActor):
         by ``engine_mode``).
 
         Returns the batch packed (``PackedGroups``); through the service each caller gets its
-        own ``Group``. Called directly on an actor, use ``.unpack()``.
+        own ``PackedGroup``. Called directly on an actor, use ``.unpack()``.
         """
         cfg = self.config
         outputs = await self._sample([p.text for p in prompts], cfg.group_size, "policy/batch_prompts")
@@ -265,7 +265,7 @@ class Policy(ForgeActor):
         """``n`` completions of each request's prompt at its own settings (one engine call; a
         batch holds requests of equal ``(n, temperature, max_tokens)``): held-out evaluation
         beside training, on the weights being served. Through the service each caller gets a
-        ``Group`` of ``n`` completions."""
+        ``PackedGroup`` of ``n`` completions."""
         n, temperature, max_tokens = requests[0].settings
         prompts = [r.prompt for r in requests]
         outputs = await self._sample(

@@ -8,9 +8,9 @@ and get back the per-token logprobs of the response (float32 ``[T]``). A caller 
 group (one prompt, many responses) sends it as one request instead, so that the controller pays
 one request per group, not one per response::
 
-    ref_lps = await reference.logprobs_groups.route((prompt_ids, [c.token_ids for c in completions]))
+    ref_lps = await reference.logprobs_groups.route(ResponseGroup(prompt_ids, response_ids, response_lens))
 
-and gets one ``[T]`` tensor per response, in order. The service prebatches
+and gets the group's logprobs flat, response after response. The service prebatches
 pairs by *length bucket* (the ``Batching`` key), so a batch holds sequences of similar length
 and its right padding stays small; one forward pass scores the whole batch. A batch holds at
 most ``TOKEN_BUDGET`` tokens (``Batching(size_fn=pair_tokens)``), not a number of sequences:
@@ -50,6 +50,7 @@ __all__ = [
     "PackedPairs",
     "ReferenceConfig",
     "ReferenceModel",
+    "ResponseGroup",
     "group_bucket",
     "group_tokens",
     "length_bucket",
@@ -72,24 +73,39 @@ def pair_tokens(pair: tuple[torch.Tensor, torch.Tensor]) -> int:
 
 def length_bucket(pair: tuple[torch.Tensor, torch.Tensor]) -> int:
     """Batching key of a pair: a geometric bucket of its total length (prompt + response)."""
-    n = int(pair[0].numel()) + int(pair[1].numel())
+    return _bucket(int(pair[0].numel()) + int(pair[1].numel()))
+
+
+def _bucket(n: int) -> int:
+    """The geometric length bucket of ``n`` tokens."""
     if n <= _BUCKET_BASE:
         return 0
     return 1 + int(math.log(n / _BUCKET_BASE, _BUCKET_GROWTH))
 
 
-def group_tokens(group: tuple[torch.Tensor, list[torch.Tensor]]) -> int:
-    """Batching size of a group (prompt ids, responses): its pairs' tokens, at most the budget.
-    A group larger than one forward pass is still one request: the replica splits its batch into
-    passes within the budget (``ReferenceModel._score_within_budget``)."""
-    prompt, responses = group
-    return min(TOKEN_BUDGET, sum(int(prompt.numel()) + int(r.numel()) for r in responses))
+@dataclass
+class ResponseGroup:
+    """One prompt's ids and its responses flat, as ``logprobs_groups`` takes a group: three
+    fields however many responses (what ``PackedGroup`` holds, less what the reference ignores)."""
+
+    prompt_ids: torch.Tensor  # int64 [P]
+    response_ids: torch.Tensor  # int64 [sum T]
+    response_lens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.response_lens)
 
 
-def group_bucket(group: tuple[torch.Tensor, list[torch.Tensor]]) -> int:
+def group_tokens(group: ResponseGroup) -> int:
+    """Batching size of a group: its pairs' tokens, at most the budget. A group larger than one
+    forward pass is still one request: the replica splits its batch into passes within the
+    budget (``ReferenceModel._score_within_budget``)."""
+    return min(TOKEN_BUDGET, len(group) * int(group.prompt_ids.numel()) + sum(group.response_lens))
+
+
+def group_bucket(group: ResponseGroup) -> int:
     """Batching key of a group: the length bucket of its longest pair (``length_bucket``)."""
-    prompt, responses = group
-    return length_bucket((prompt, max(responses, key=lambda r: r.numel())))
+    return _bucket(int(group.prompt_ids.numel()) + max(group.response_lens, default=0))
 
 
 @dataclass
@@ -127,9 +143,14 @@ class PackedGroupPairs:
     group_sizes: list[int]
 
     @classmethod
-    def pack(cls, groups: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> PackedGroupPairs:
-        pairs = [(prompt, response) for prompt, responses in groups for response in responses]
-        return cls(PackedPairs.pack(pairs), [len(responses) for _, responses in groups])
+    def pack(cls, groups: list[ResponseGroup]) -> PackedGroupPairs:
+        pairs = PackedPairs(
+            prompt_ids=torch.cat([g.prompt_ids.long().repeat(len(g)) for g in groups]),
+            prompt_lens=[int(g.prompt_ids.numel()) for g in groups for _ in range(len(g))],
+            response_ids=torch.cat([g.response_ids.long() for g in groups]),
+            response_lens=[n for g in groups for n in g.response_lens],
+        )
+        return cls(pairs, [len(g) for g in groups])
 
 
 @dataclass(kw_only=True)
@@ -184,22 +205,21 @@ class ReferenceModel(ForgeActor):
         return split_for_wire(flat, lengths)
 
     @staticmethod
-    def pack_groups(groups: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> PackedGroupPairs:
+    def pack_groups(groups: list[ResponseGroup]) -> PackedGroupPairs:
         """``logprobs_groups``' enbatch: the callers' groups -> one ``PackedGroupPairs``."""
         return PackedGroupPairs.pack(groups)
 
     @staticmethod
-    def split_group_logprobs(result: tuple[torch.Tensor, list[int], list[int]], n: int) -> list[list[torch.Tensor]]:
-        """``logprobs_groups``' debatch: flat logprobs -> one list of ``[T]`` tensors per caller."""
+    def split_group_logprobs(result: tuple[torch.Tensor, list[int], list[int]], n: int) -> list[torch.Tensor]:
+        """``logprobs_groups``' debatch: flat logprobs -> each caller's group's logprobs, flat."""
         flat, lengths, sizes = result
         if len(sizes) != n or sum(sizes) != len(lengths):
             raise ValueError(
                 f"ReferenceModel.logprobs_groups returned {len(sizes)} groups of {sum(sizes)} responses and "
                 f"{len(lengths)} logprob rows for {n} groups"
             )
-        rows = split_for_wire(flat, lengths)
         bounds = [0, *itertools.accumulate(sizes)]
-        return [rows[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        return split_for_wire(flat, [sum(lengths[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
 
     @endpoint(
         batch=Batching(
@@ -212,12 +232,13 @@ class ReferenceModel(ForgeActor):
         )
     )
     async def logprobs_groups(
-        self, groups: PackedGroupPairs | list[tuple[torch.Tensor, list[torch.Tensor]]]
+        self, groups: PackedGroupPairs | list[ResponseGroup]
     ) -> tuple[torch.Tensor, list[int], list[int]]:
-        """``logprobs`` of whole groups: each item is one prompt's ids and its responses.
+        """``logprobs`` of whole groups: each item is one prompt's ids and its responses
+        (``ResponseGroup``).
 
         Returns the logprobs flat with the response lengths and each group's size; through the
-        service each caller gets its group's ``[T]`` tensors, in order.
+        service each caller gets its group's logprobs as one flat tensor, response after response.
         """
         if not isinstance(groups, PackedGroupPairs):
             groups = PackedGroupPairs.pack(groups)

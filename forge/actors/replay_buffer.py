@@ -99,6 +99,7 @@ class GroupBuffer:
         self.max_policy_age = max_policy_age
         self.capacity = capacity
         self._groups: collections.deque[EpisodeBatch] = collections.deque()
+        self._versions: collections.deque[int] = collections.deque()  # each held group's, read once at add
         self._seen: set[str] = set()  # every group_id ever added: a second add is a duplicate
         self.stats = BufferStats()
 
@@ -122,18 +123,23 @@ class GroupBuffer:
         self._seen.add(group_id)
         if self.capacity is not None and len(self._groups) >= self.capacity:
             self._groups.popleft()
+            self._versions.popleft()
             self.stats.evicted += 1
             self.stats.dropped_full += 1
         self._groups.append(group)
+        self._versions.append(group_version(group))
         self.stats.added += 1
         return True
 
     def evict(self, policy_version: int) -> int:
         """Drop every group too old to train at ``policy_version``; return how many."""
         oldest_allowed = policy_version - self.max_policy_age
-        kept = collections.deque(g for g in self._groups if group_version(g) >= oldest_allowed)
+        if not self._versions or min(self._versions) >= oldest_allowed:
+            return 0
+        kept = [(v, g) for v, g in zip(self._versions, self._groups) if v >= oldest_allowed]
         dropped = len(self._groups) - len(kept)
-        self._groups = kept
+        self._versions = collections.deque(v for v, _ in kept)
+        self._groups = collections.deque(g for _, g in kept)
         self.stats.evicted += dropped
         self.stats.dropped_stale += dropped
         return dropped
@@ -146,6 +152,8 @@ class GroupBuffer:
         if len(self._groups) < num_groups:
             return None
         batch = [self._groups.popleft() for _ in range(num_groups)]
+        for _ in range(num_groups):
+            self._versions.popleft()
         self.stats.sampled += num_groups
         return batch
 

@@ -6,6 +6,7 @@ quiet logs) are in the environment when Monarch reads them.
 
 from forge.controller import _env  # noqa: F401  (must run before monarch is imported)
 from forge.controller.actor import ActorLauncher, ForgeActor
+from forge.controller.attach import AttachedService, ServiceView, attach, attached_service, service_view
 from forge.controller.batching import Batcher, Batching
 from forge.controller.endpoint import endpoint
 from forge.controller.errors import (
@@ -42,6 +43,11 @@ from forge.controller.wire import install as _install_fast_tensors
 _install_fast_tensors()  # small tensors cross processes as numpy arrays (see forge.controller.wire)
 
 __all__ = [
+    "AttachedService",
+    "ServiceView",
+    "attach",
+    "attached_service",
+    "service_view",
     "ActorLauncher",
     "ActorOptions",
     "Batcher",

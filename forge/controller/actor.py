@@ -46,12 +46,27 @@ A = TypeVar("A", bound="ForgeActor")
 _actor_ids = itertools.count()
 
 
+def _undelivered(message: Any) -> str:
+    try:
+        return f"to {message.dest()}: {message.error_msg()}"
+    except Exception:  # noqa: BLE001 - a log line, whatever Monarch's envelope holds
+        return repr(message)
+
+
 class ForgeActor(Actor):
     """Base class of forge actors: Monarch's ``Actor`` plus ``options``/``as_actor``/``as_service``."""
 
     @endpoint
     async def setup(self) -> None:
         """Async initialisation, run once on every rank before any traffic. Override it."""
+
+    def _handle_undeliverable_message(self, message: Any) -> bool:
+        """A message this actor sent could not be delivered, most often its reply to a caller
+        whose process died (a rollout worker killed mid-request). Monarch would fail this actor
+        for it, taking a healthy replica down with its caller; the caller is gone, so the reply
+        is dropped. (A request to an actor that died fails at its caller by supervision.)"""
+        logger.info("dropped a message that could not be delivered: %s", _undelivered(message))
+        return True
 
     @endpoint(concurrent=True)
     async def _forge_health(self) -> bool:

@@ -112,6 +112,10 @@ class ServiceInterface:
         """See ``Service.set_resync``: the step a restarted replica runs before taking traffic."""
         self._service.set_resync(resync)
 
+    def add_replica_listener(self, listener: Callable[[], None]) -> None:
+        """See ``Service.add_replica_listener``: ``listener()`` after a replica fails or is back."""
+        self._service.add_replica_listener(listener)
+
     @property
     def service(self) -> Service:
         return self._service

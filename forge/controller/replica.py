@@ -220,6 +220,26 @@ class Replica:
             # A failed replica's processes may sit on a dead host: don't wait long for them.
             await self._stop_mesh(5.0 if previous is ReplicaState.FAILED else 30.0)
 
+    async def attach(self, actor_mesh: Any, generation: int) -> None:
+        """Serve through an actor mesh that another process owns (``forge.controller.attach``):
+        fresh batchers, traffic at once; whatever was queued for the previous generation fails
+        with ``ReplicaFailed``."""
+        stale = ReplicaFailed(f"replica {self.replica_id} of {self.spec.service_name} is now generation {generation}")
+        await asyncio.gather(*(b.close(stale) for b in self.batchers.values()), return_exceptions=True)
+        self.generation = generation
+        self.proc_mesh, self.actor_mesh = None, actor_mesh
+        self.failure = None
+        self._make_batchers()
+        self.started_at = self.last_progress = time.monotonic()
+        self.state = ReplicaState.HEALTHY
+
+    async def detach(self, error: BaseException) -> None:
+        """Stop serving through an attached mesh: fail what is queued with ``error``; the
+        processes are the owner's and keep running."""
+        self.state = ReplicaState.STOPPED
+        self.actor_mesh = None
+        await asyncio.gather(*(b.close(error) for b in self.batchers.values()), return_exceptions=True)
+
     async def _stop_mesh(self, timeout: float = 30.0) -> None:
         mesh, self.proc_mesh, self.actor_mesh = self.proc_mesh, None, None
         if mesh is None:

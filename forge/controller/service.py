@@ -130,6 +130,7 @@ class Service:
         self._waiting = 0
         self.recovery_log: list[dict[str, float]] = []
         self.retried = 0  # requests resent after their replica died
+        self._replica_listeners: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -171,6 +172,21 @@ class Service:
             raise TypeError(f"set_resync needs an async callable taking the replica's actor mesh, got {resync!r}")
         self._resync = resync
 
+    def add_replica_listener(self, listener: Callable[[], None]) -> None:
+        """``listener()`` runs on the service's loop whenever a replica fails and whenever one is
+        back after a restart: how processes attached to the service (``forge.controller.attach``)
+        learn of new generations. It must not block; an exception it raises is logged."""
+        if not callable(listener):
+            raise TypeError(f"add_replica_listener needs a callable taking no arguments, got {listener!r}")
+        self._replica_listeners.append(listener)
+
+    def _replicas_changed(self) -> None:
+        for listener in list(self._replica_listeners):
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop a restart
+                logger.exception("service %s: a replica listener failed", self.name)
+
     # ----------------------------------------------------------- failures
     def _on_mesh_failure(self, failure: MeshFailure) -> bool:
         """Monarch's fault hook (called on Monarch's own thread): hand over to our loop."""
@@ -187,6 +203,7 @@ class Service:
         """A replica's process died: restart it in the background (with backoff)."""
         if self._stopped or replica.replica_id in self._recoveries:
             return
+        self._replicas_changed()
         loop = asyncio.get_running_loop()
         task = self._context.copy().run(loop.create_task, self._recover(replica), name=f"{replica.mesh_name}-recover")
         self._recoveries[replica.replica_id] = task
@@ -224,6 +241,7 @@ class Service:
                 continue
             self.recovery_log.append({"replica": replica.replica_id, "recovery_s": time.monotonic() - failed_at})
             logger.info("replica %s is back after %.1fs", replica.mesh_name, time.monotonic() - failed_at)
+            self._replicas_changed()
             await self._notify_capacity()
             return
 

@@ -83,9 +83,15 @@ def install() -> bool:
     return True
 
 
+def for_wire(piece: torch.Tensor) -> torch.Tensor:
+    """A slice of a larger tensor that may be sent on alone: the view itself where the fast path
+    sends it (only its own elements), else a copy (Monarch's path, which a slice over
+    ``MAX_FAST_BYTES`` also takes, would send the whole storage with it)."""
+    if _installed and piece.numel() * piece.element_size() <= MAX_FAST_BYTES:
+        return piece
+    return piece.clone()
+
+
 def split_for_wire(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-    """``flat`` cut into pieces of ``lengths`` that may each be sent on alone: views when the fast
-    path is on (a view sends only its own elements), else copies (Monarch's path would send a
-    view's whole storage, the flat tensor, with every piece)."""
-    pieces = torch.split(flat, lengths)
-    return list(pieces) if _installed else [piece.clone() for piece in pieces]
+    """``flat`` cut into pieces of ``lengths``, each of which may be sent on alone (``for_wire``)."""
+    return [for_wire(piece) for piece in torch.split(flat, lengths)]

@@ -126,6 +126,30 @@ def test_multiturn_run_outlives_its_env_and_policy_replicas_dying_mid_trajectory
     _accounted(last, STEPS)
 
 
+def test_with_rollout_workers_the_run_outlives_a_worker_and_a_policy_replica_dying(tmp_path: Path) -> None:
+    """The multi-turn toy run with ``rollout.workers=2``: the workers play the trajectories
+    (attached to the policy, env and reference services the controller owns). SIGKILL of one
+    worker during step 3 and of the policy during step 5: the worker restarts and attaches
+    again, the restarted policy reaches the workers in a new view, and the run completes every
+    step with every group accounted for."""
+    slow_env = "env.cls=tests.integration.slow_env:SlowReverseWithFeedback"
+    proc = start_app(tmp_path, slow_env, "rollout.workers=2", steps=STEPS, config="configs/multiturn_tiny.yaml")
+    _wait_for_step(proc, tmp_path, 2)
+    time.sleep(0.5)
+    workers = role_processes(proc.pid, "rollout")
+    assert len(workers) == 2, workers
+    workers[0].kill()
+    _kill_role_at_step(proc, tmp_path, 4, "policy", after_s=0.5)
+    code, out, err = _finish(proc)
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    last = rows[-1]
+    assert last["restarts/rollout"] == 1 and last["restarts/policy"] == 1, last
+    assert last["retried/rollout"] + last["groups/regenerated"] >= 1, last  # the worker's death cut work short
+    _accounted(last, STEPS)
+
+
 @pytest.mark.slow
 def test_hung_reference_replica_is_found_by_health_probes_and_replaced(tmp_path: Path) -> None:
     """SIGSTOP of the reference process: probes fail it within faults.health_timeout_s, a new

@@ -472,3 +472,27 @@ def test_trainer_restarts_default_to_one_with_checkpoints_and_a_negative_count_i
     assert chosen.faults.trainer_restarts(0) == 3
     with pytest.raises(ValueError, match=r"faults.trainer_max_restarts must be an integer >= 0 .* got -1"):
         load_config(GRPOConfig, None, ["model.path=/m", "faults.trainer_max_restarts=-1"])
+
+
+def test_rollout_workers_default_to_none_and_parse_from_overrides():
+    """null: the controller makes the groups; a count from an override."""
+    from apps.grpo.config import GRPOConfig
+
+    assert load_config(GRPOConfig, None, ["model.path=/m"]).rollout.workers is None
+    assert load_config(GRPOConfig, None, ["model.path=/m", "rollout.workers=2"]).rollout.workers == 2
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["rollout.workers=0"], r"rollout.workers must be a number of worker processes >= 1.*got 0"),
+        (["rollout.workers=-3"], r"rollout.workers must be .* >= 1.*got -3"),
+        (["prompts_per_step=4", "rollout.workers=5"], r"rollout.workers=5 is more than the prompts in flight.*4"),
+        (["prompts_per_step=8", "rollout.concurrency=2", "rollout.workers=3"], r"rollout.workers=3 .*: 2\)"),
+    ],
+)
+def test_rollout_workers_below_one_or_above_the_prompts_in_flight_are_refused(overrides, message):
+    from apps.grpo.config import GRPOConfig
+
+    with pytest.raises(ValueError, match=message):
+        load_config(GRPOConfig, None, ["model.path=/m", *overrides])

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from forge.actors.policy import PackedGroups, PolicyConfig, prompt_key
-from forge.actors.reference_model import PackedGroupPairs, PackedPairs, ReferenceModel, group_bucket, length_bucket
+from forge.actors.reference_model import (
+    PackedGroupPairs,
+    PackedPairs,
+    ReferenceModel,
+    ResponseGroup,
+    group_bucket,
+    group_tokens,
+    length_bucket,
+)
 from forge.actors.reward import RewardActor, resolve_reward
 from forge.controller import KeyAffinity
 from forge.controller.routing import RouteRequest
@@ -76,6 +84,11 @@ def test_packed_groups_round_trip_and_each_piece_travels_alone():
     outputs[1] = [Completion(torch.tensor([7, 8, 9, 10, 11]), c.token_ids, c.logprobs, c.text, 3) for c in outputs[1]]
     groups = PackedGroups.pack(prompts, outputs, group_size=2, version=3).unpack()
     assert [g.prompt.text for g in groups] == ["12=", "3456="]
+    assert [g.response_lens for g in groups] == [[200, 400], [200, 400]] and [len(g) for g in groups] == [2, 2]
+    for group in groups:  # the group's own slice goes to the reference alone
+        sent = io.BytesIO()
+        monarch_pickle.torch_dump(group.token_ids, sent)
+        assert 600 * 8 < len(sent.getvalue()) < 600 * 8 + 1_000
     for group, expected in zip(groups, outputs):
         for got, want in zip(group.completions, expected):
             assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.logprobs, want.logprobs)
@@ -121,28 +134,31 @@ def test_reference_enbatch_and_debatch_round_trip():
 
 
 def test_reference_group_enbatch_and_debatch_give_each_caller_its_groups_rows_in_order():
-    """pack_groups/split_group_logprobs: two groups in one batch, each back with its own rows."""
+    """pack_groups/split_group_logprobs: two groups in one batch, each back with its own logprobs, flat."""
     groups = [
-        (torch.tensor([1, 2]), [torch.tensor([3]), torch.tensor([4, 5])]),
-        (torch.tensor([6]), [torch.tensor([7, 8, 9])]),
+        ResponseGroup(torch.tensor([1, 2]), torch.tensor([3, 4, 5]), [1, 2]),
+        ResponseGroup(torch.tensor([6]), torch.tensor([7, 8, 9]), [3]),
     ]
     packed = ReferenceModel.pack_groups(groups)
     assert isinstance(packed, PackedGroupPairs) and packed.group_sizes == [2, 1]
     prompts, responses = packed.pairs.unpack()
     assert [p.tolist() for p in prompts] == [[1, 2], [1, 2], [6]]
+    assert [r.tolist() for r in responses] == [[3], [4, 5], [7, 8, 9]]
     flat = torch.arange(6, dtype=torch.float32)
     out = ReferenceModel.split_group_logprobs((flat, packed.pairs.response_lens, packed.group_sizes), 2)
-    assert [[t.tolist() for t in g] for g in out] == [[[0.0], [1.0, 2.0]], [[3.0, 4.0, 5.0]]]
+    assert [g.tolist() for g in out] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     with pytest.raises(ValueError, match="returned 2 groups of 3 responses and 3 logprob rows for 3 groups"):
         ReferenceModel.split_group_logprobs((flat, packed.pairs.response_lens, packed.group_sizes), 3)
 
 
-def test_a_group_is_bucketed_by_its_longest_pair():
-    """A group's batch key is the bucket its longest sequence would have had alone."""
+def test_a_group_is_bucketed_by_its_longest_pair_and_sized_by_its_tokens():
+    """A group's batch key is the bucket its longest sequence would have had alone; its size is
+    every pair's tokens, prompt included."""
     prompt = torch.zeros(10, dtype=torch.long)
+    group = ResponseGroup(prompt, torch.zeros(405, dtype=torch.long), [5, 400])
     long = torch.zeros(400, dtype=torch.long)
-    group = (prompt, [torch.zeros(5, dtype=torch.long), long])
-    assert group_bucket(group) == length_bucket((prompt, long)) > length_bucket((prompt, group[1][0]))
+    assert group_bucket(group) == length_bucket((prompt, long)) > length_bucket((prompt, long[:5]))
+    assert group_tokens(group) == 2 * 10 + 405
 
 
 def test_reference_scores_a_batch_larger_than_the_token_budget_in_passes_within_it():

@@ -31,24 +31,43 @@ def test_the_smallest_cell_runs_the_app_path_and_writes_its_table(tmp_path):
     """Four groups a step through real stand-in services, the real buffer and dataset: every
     trained sequence is counted, none lost, and the JSON holds the cell."""
     out = tmp_path / "rollout_scale.json"
-    results = rollout_scale.main(["--sequences", "64", "--replicas", "1", "--steps", "2", "--out", str(out)])
+    argv = ["--sequences", "64", "--replicas", "1", "--workers", "0", "--steps", "2", "--out", str(out)]
+    results = rollout_scale.main(argv)
     (cell,) = json.loads(out.read_text())["cells"]
     assert cell == results["cells"][0]
-    assert (cell["sequences_per_step"], cell["prompts_per_step"], cell["replicas"]) == (64, 4, 1)
+    assert (cell["sequences_per_step"], cell["prompts_per_step"], cell["replicas"], cell["workers"]) == (64, 4, 1, 0)
     assert cell["sequences_trained"] == 128
     assert cell["sequences_produced"] > 0 and cell["controller_cpu_s"] > 0
 
 
-def test_the_keys_compare_16k_with_512_at_the_most_replicas():
-    """The 16k keys come from the largest replica count; the growth is its 16k cost over its 512 cost."""
+def test_the_keys_compare_16k_with_512_at_the_most_replicas_and_the_most_workers():
+    """The 16k keys come from the largest replica count of the most workers swept; the growth is
+    its 16k cost over its 512 cost; every worker count has its own keys under ``by_workers``."""
     cells = [
-        {"sequences_per_step": s, "replicas": r, "controller_us_per_sequence": us, "sequences_per_s": sps}
-        for s, r, us, sps in [(512, 2, 10.0, 1.0), (16384, 2, 30.0, 2.0), (512, 8, 20.0, 3.0), (16384, 8, 25.0, 4.0)]
+        {"sequences_per_step": s, "replicas": r, "workers": w, "controller_us_per_sequence": us, "sequences_per_s": sps}
+        for s, r, w, us, sps in [
+            (512, 2, 0, 10.0, 1.0),
+            (16384, 2, 0, 30.0, 2.0),
+            (512, 8, 0, 20.0, 3.0),
+            (16384, 8, 0, 25.0, 4.0),
+            (512, 8, 2, 8.0, 5.0),
+            (16384, 8, 2, 6.0, 6.0),
+        ]
     ]
     results = rollout_scale.summary(cells)
-    assert results["controller_us_per_sequence_16k"] == 25.0
-    assert results["sequences_per_s_16k"] == 4.0
-    assert results["controller_cost_growth_16k_vs_512"] == pytest.approx(1.25)
+    assert results["workers_16k"] == 2 and results["replicas_16k"] == 8
+    assert results["controller_us_per_sequence_16k"] == 6.0
+    assert results["sequences_per_s_16k"] == 6.0
+    assert results["controller_cost_growth_16k_vs_512"] == pytest.approx(0.75)
+    assert results["by_workers"]["0"]["controller_us_per_sequence_16k"] == 25.0
+    assert results["by_workers"]["0"]["controller_cost_growth_16k_vs_512"] == pytest.approx(1.25)
+
+
+def test_a_cell_with_workers_runs_end_to_end():
+    """One cell with one rollout worker: the groups come from the worker, none lost."""
+    results = rollout_scale.main(["--sequences", "64", "--replicas", "1", "--workers", "1", "--steps", "1"])
+    (cell,) = results["cells"]
+    assert cell["workers"] == 1 and cell["sequences_trained"] == 64 and cell["sequences_produced"] > 0
 
 
 async def _one_group_failure(**stand_ins: Any) -> RoleFailed:

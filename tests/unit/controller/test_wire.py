@@ -65,6 +65,19 @@ def test_a_slice_sends_its_own_elements_not_its_storage():
     assert size < 1_000, size
 
 
+def test_pieces_for_the_wire_are_views_when_small_and_copies_over_the_fast_paths_limit():
+    """split_for_wire: a piece the fast path sends (its own elements) stays a view; a piece over
+    MAX_FAST_BYTES, which takes Monarch's path (the whole storage), is copied, so it sends only itself."""
+    assert wire.install()
+    big = wire.MAX_FAST_BYTES // 4 + 10  # float32 elements: just over the limit
+    flat = torch.zeros(big + 10)
+    small, large = wire.split_for_wire(flat, [10, big])
+    assert small.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # a view
+    assert large.untyped_storage().nbytes() == big * 4  # its own storage
+    _, size = _round_trip(large)
+    assert size < big * 4 + 10_000, size
+
+
 def test_an_arrived_tensor_is_writable_and_owns_its_memory():
     got, _ = _round_trip(torch.arange(5))
     got += 1

@@ -1,0 +1,157 @@
+"""forge.controller.attach: a service called from a process that does not own it.
+
+Real replicas (one process each), a real second process (an actor that attaches the service from
+a view sent to it), real SIGKILLs: the attached caller routes and batches on its own, a death
+fails its calls at once, the owner's restart reaches it in a new view, and a replica outlives a
+caller that died while it worked for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from waits import until
+
+from forge.controller import (
+    Batching,
+    ForgeActor,
+    NoHealthyReplica,
+    ReplicaState,
+    ServiceView,
+    attach,
+    attached_service,
+    endpoint,
+    service_view,
+)
+
+
+class Adder(ForgeActor):
+    @endpoint(batch=Batching(max_size=8, max_wait_s=0.005))
+    async def add_one(self, items: list[int]) -> list[int]:
+        return [x + 1 for x in items]
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint(concurrent=True)
+    async def slow(self, x: int) -> int:
+        await asyncio.sleep(1.5)
+        return x
+
+
+class Caller(ForgeActor):
+    """A second process's view of the service: attaches it, calls it, takes newer views."""
+
+    @endpoint
+    async def attach(self, view: ServiceView) -> None:
+        self.adder = await attach(view)
+
+    @endpoint
+    async def update(self, view: ServiceView) -> None:
+        await attached_service(self.adder).apply(view)
+
+    @endpoint(concurrent=True)
+    async def add_all(self, items: list[int]) -> list[int]:
+        return list(await asyncio.gather(*(self.adder.add_one.route(x) for x in items)))
+
+    @endpoint(concurrent=True)
+    async def slow(self, x: int) -> int:
+        return await self.adder.slow.route(x)
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def states(self) -> list[tuple[str, int]]:
+        return [(r.state.value, r.generation) for r in self.adder.service.replicas]
+
+    @endpoint
+    async def batches(self) -> int:
+        return self.adder.metrics()["endpoints"]["add_one"]["batches"]
+
+
+@pytest.fixture
+async def owner():
+    svc = await Adder.options(num_replicas=2, router="round_robin", restart_backoff_s=0.1).as_service()
+    yield svc
+    await svc.shutdown()
+
+
+@pytest.fixture
+async def caller():
+    actor = await Caller.options(name="caller").as_actor()
+    yield actor
+    await asyncio.wait_for(ForgeActor.shutdown(actor), 30)
+
+
+async def test_an_attached_caller_routes_and_batches_on_its_own(owner, caller):
+    """From another process, 40 singleton calls reach both replicas in batches, and the owner
+    made no request of its own."""
+    await caller.attach.call_one(service_view(owner))
+    assert await caller.add_all.call_one(list(range(40))) == list(range(1, 41))
+    assert 2 <= await caller.batches.call_one() < 40  # prebatched in the caller's process
+    assert owner.metrics()["endpoints"].get("add_one", {}).get("batches", 0) == 0  # none went through the owner
+
+
+async def test_a_dead_replica_fails_attached_calls_at_once_and_a_new_view_brings_it_back(owner, caller):
+    """A replica SIGKILLed under an attached caller: its call fails with ReplicaFailed within
+    seconds (not a timeout) and is resent to the live replica; after the owner restarts it, the
+    new generation is used again once the caller gets the new view."""
+    await caller.attach.call_one(service_view(owner))
+    victim = owner.service.replicas[0]
+    pid = await victim.call("pid", (), {}, 10)
+    calls = asyncio.ensure_future(caller.add_all.call_one(list(range(8))))
+    slow = asyncio.ensure_future(asyncio.wait_for(caller.slow.call_one(1), 20))
+    await asyncio.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)
+    assert await calls == list(range(1, 9))
+    assert await slow == 1  # in flight on one replica or the other: answered, resent if it was the dead one
+    await until(lambda: victim.state is ReplicaState.HEALTHY and victim.generation == 1, "the restart", 30)
+    await caller.update.call_one(service_view(owner))
+    assert await caller.states.call_one() == [("healthy", 1), ("healthy", 0)]
+    assert await caller.add_all.call_one(list(range(16))) == list(range(1, 17))
+
+
+async def test_a_replica_outlives_a_caller_that_died_waiting_for_it(owner, caller):
+    """The caller's process is SIGKILLed while a replica works for it: the replica's reply cannot
+    be delivered, and the replica stays healthy and answers the next caller (Monarch would fail it)."""
+    await caller.attach.call_one(service_view(owner))
+    pending = asyncio.ensure_future(caller.slow.call_one(1))
+    await asyncio.sleep(0.3)
+    os.kill(await caller.pid.call_one(), signal.SIGKILL)
+    await asyncio.gather(pending, return_exceptions=True)
+    await asyncio.sleep(2.0)  # past the reply's failed delivery
+    assert all(r.state is ReplicaState.HEALTHY and r.generation == 0 for r in owner.service.replicas)
+    assert await asyncio.wait_for(owner.slow.route(2), 10) == 2
+
+
+async def test_with_no_live_replica_in_its_view_an_attached_caller_waits_then_says_so(owner):
+    """A view in which no replica takes traffic: a call waits up to queue_timeout_s for a newer
+    view, then fails with NoHealthyReplica naming the service; shut down, queued items fail."""
+    view = service_view(owner)
+    view.options = type(view.options)(**{**vars(view.options), "queue_timeout_s": 0.5})
+    for replica in view.replicas:
+        replica.actor_mesh = None
+    handle = await attach(view)
+    with pytest.raises(NoHealthyReplica, match=view.name):
+        await handle.add_one.route(1)
+    await attached_service(handle).apply(service_view(owner))
+    assert await handle.add_one.route(1) == 2
+    await handle.shutdown()
+    assert all(r.state is ReplicaState.HEALTHY for r in owner.service.replicas)  # the owner's are untouched
+
+
+async def test_a_view_of_another_shape_is_refused(owner):
+    view = service_view(owner)
+    handle = await attach(view)
+    view.replicas = view.replicas[:1]
+    with pytest.raises(ValueError, match="has 1 replicas; this attached service has 2"):
+        await attached_service(handle).apply(view)
+    with pytest.raises(TypeError, match="owned by this process"):
+        attached_service(owner)
+    await handle.shutdown()
