@@ -163,8 +163,9 @@ async def routing(model_dir: Path, replicas: int, requests: int) -> dict[str, An
     return out
 
 
-def app_job(folder: Path, runs: list[dict], steps: int) -> dict[str, Any]:
-    """One job of the app on ``runs`` (the shipped config's settings, ``steps`` steps each)."""
+def app_job(folder: Path, runs: list[dict], steps: int, extra: list[str] = ()) -> dict[str, Any]:
+    """One job of the app on ``runs`` (the shipped config's settings and ``extra`` overrides,
+    ``steps`` steps each)."""
     import yaml
 
     shipped = yaml.safe_load((REPO / "configs" / "multi_lora_tiny.yaml").read_text())
@@ -174,6 +175,7 @@ def app_job(folder: Path, runs: list[dict], steps: int) -> dict[str, Any]:
         f"model.path={folder.parent / 'tiny'}",
         "logging.progress_bar=false",
         "logging.plot=false",
+        *extra,
     ]
     shipped.update(runs=runs, output_dir=str(folder), max_loras=0)
     folder.mkdir(parents=True, exist_ok=True)
@@ -195,15 +197,15 @@ def app_job(folder: Path, runs: list[dict], steps: int) -> dict[str, Any]:
     return out
 
 
-def training_runs(root: Path, steps: int) -> dict[str, Any]:
+def training_runs(root: Path, steps: int, extra: list[str] = ()) -> dict[str, Any]:
     import yaml
 
     runs = yaml.safe_load((REPO / "configs" / "multi_lora_tiny.yaml").read_text())["runs"]
     solo = {}
     for run in runs:
-        solo.update(app_job(root / f"solo-{run['name']}", [run], steps))
-    joint = app_job(root / "joint", runs, steps)
-    out: dict[str, Any] = {"steps": steps, "runs": {}}
+        solo.update(app_job(root / f"solo-{run['name']}", [run], steps, extra))
+    joint = app_job(root / "joint", runs, steps, extra)
+    out: dict[str, Any] = {"steps": steps, "overrides": list(extra), "runs": {}}
     for name in solo:
         out["runs"][name] = {
             "solo_last10_reward": solo[name]["last10_reward"],
@@ -223,6 +225,9 @@ async def main() -> None:
     parser.add_argument("--parts", default="memory,routing,runs", help="comma-separated: memory, routing, runs")
     parser.add_argument("--steps", type=int, default=20, help="training steps of each run (runs part)")
     parser.add_argument("--replicas", type=int, default=2, help="policy replicas (routing part)")
+    parser.add_argument(
+        "--override", action="append", default=[], help="key=value for every run of the runs part (repeatable)"
+    )
     parser.add_argument("--requests", type=int, default=400, help="requests (routing part)")
     args = parser.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -240,7 +245,7 @@ async def main() -> None:
             results["routing"] = await routing(model_dir, args.replicas, args.requests)
             print(json.dumps({"routing": results["routing"]}), flush=True)
         if "runs" in parts:
-            results["runs"] = training_runs(root, args.steps)
+            results["runs"] = training_runs(root, args.steps, args.override)
             print(json.dumps({"runs": results["runs"]}), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -26,6 +26,7 @@ on the replica every prompt shares ``generate``'s one batch queue.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import time
@@ -50,9 +51,17 @@ __all__ = [
     "PolicyConfig",
     "PolicySettings",
     "prompt_key",
+    "prompt_seed",
 ]
 
 logger = logging.getLogger("forge.policy")
+
+
+def prompt_seed(prompt_id: str, version: int) -> int:
+    """The sampling seed of ``prompt_id`` on weights ``version`` (``PolicySettings.prompt_seeds``):
+    a stable hash (not Python's per-process ``hash``), the same in every process and run."""
+    digest = hashlib.blake2b(f"{prompt_id}@{version}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & (2**63 - 1)
 
 
 ENGINE_MODES = ("batched", "async")
@@ -85,6 +94,12 @@ class PolicySettings:
     """How a batch reaches vLLM: ``batched``, one ``LLM.generate`` call for the whole batch
     (``VllmEngine``, faster on CPU); ``async``, one ``AsyncLLM`` request per prompt, concurrently
     (``AsyncVllmEngine``)."""
+    prompt_seeds: bool = False
+    """Seed each prompt's samples from the prompt itself (its ``prompt_id`` and the version of the
+    weights sampled) instead of the engine's one stream: the same prompt on the same weights then
+    draws the same samples whichever batch, replica or other adapters it is served with, so two
+    runs with the same seeds sample alike (``prompt_seed``). vLLM then keeps a generator per
+    request, which samples large batches more slowly."""
     max_lora_rank: int = 0
     """With a LoRA trainer: the largest adapter rank vLLM serves (one of vLLM's accepted values,
     ``forge.generation.lora.VLLM_LORA_RANKS``); 0: the smallest of them that holds the trainer's
@@ -253,7 +268,8 @@ class Policy(ForgeActor):
         own ``PackedGroup``. Called directly on an actor, use ``.unpack()``.
         """
         cfg = self.config
-        outputs = await self._sample([p.text for p in prompts], cfg.group_size, "policy/batch_prompts")
+        seeds = self.prompt_seeds(prompts, self.engine.version)
+        outputs = await self._sample([p.text for p in prompts], cfg.group_size, "policy/batch_prompts", seed=seeds)
         finished = [c.finish_reason for group in outputs for c in group]
         # Cut at max_tokens: scored and (unless trainer.mask_truncated) trained as if finished.
         record_metric("policy/truncated_fraction", finished.count("length") / max(len(finished), 1))
@@ -269,7 +285,12 @@ class Policy(ForgeActor):
         n, temperature, max_tokens = requests[0].settings
         prompts = [r.prompt for r in requests]
         outputs = await self._sample(
-            [p.text for p in prompts], n, "policy/sample_batch", temperature=temperature, max_tokens=max_tokens
+            [p.text for p in prompts],
+            n,
+            "policy/sample_batch",
+            temperature=temperature,
+            max_tokens=max_tokens,
+            seed=self.prompt_seeds(prompts, self.engine.version),
         )
         return PackedGroups.pack(prompts, outputs, n, self.engine.version)
 
@@ -304,11 +325,13 @@ class Policy(ForgeActor):
         temperature: float | None = None,
         max_tokens: int | None = None,
         adapter: Any = None,
+        seed: list[int] | None = None,
     ) -> list[list[Completion]]:
         """``n`` samples of each input (text or token ids) at the configured sampling settings
         (or the given ``temperature``/``max_tokens``), counted in the batch-size metric
         ``batch_metric`` and ``policy/generate_s``. ``adapter``: a ``ServedAdapter`` to sample
-        with (a multi-adapter policy's), instead of the engine's own weights."""
+        with (a multi-adapter policy's), instead of the engine's own weights. ``seed``: one per
+        input (``prompt_seeds``); None: the engine's own stream."""
         cfg = self.config
         t0 = time.perf_counter()
         named = {} if adapter is None else {"adapter": adapter}
@@ -321,6 +344,7 @@ class Policy(ForgeActor):
                 top_p=cfg.top_p,
                 stop=cfg.stop,
                 stop_token_ids=list(cfg.stop_token_ids),
+                seed=seed,
                 **named,
             )
         )
@@ -328,6 +352,12 @@ class Policy(ForgeActor):
         record_metric(batch_metric, len(inputs))
         record_metric("policy/generate_s", seconds, "sum")
         return outputs
+
+    def prompt_seeds(self, prompts: list[Prompt], version: int) -> list[int] | None:
+        """Each prompt's sampling seed on weights ``version`` with ``prompt_seeds``, else None."""
+        if not self.config.prompt_seeds:
+            return None
+        return [prompt_seed(p.prompt_id, version) for p in prompts]
 
     @endpoint
     async def prefix_cache_stats(self) -> dict[str, float]:

@@ -147,7 +147,7 @@ class AsyncVllmEngine:
         top_p: float = 1.0,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
-        seed: int | None = None,
+        seed: int | list[int] | None = None,
     ) -> list[list[Completion]]:
         """Sample ``n`` completions per prompt, each prompt its own concurrent request.
 

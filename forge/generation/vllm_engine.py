@@ -173,7 +173,7 @@ class VllmEngine:
         top_p: float = 1.0,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
-        seed: int | None = None,
+        seed: int | list[int] | None = None,
         adapter: ServedAdapter | None = None,
     ) -> list[list[Completion]]:
         """Sample ``n`` completions per prompt in one batched engine call.
@@ -182,7 +182,8 @@ class VllmEngine:
         of ``n`` completions per prompt, in order. ``temperature=0`` is greedy. With ``top_p <
         1`` the logprobs are renormalised over the nucleus, so the trainer must apply the same
         mask to match them. ``seed`` makes the call reproducible; each sample still gets its own
-        stream, so duplicate prompts give different samples. ``stop_token_ids`` end a completion
+        stream, so duplicate prompts give different samples; a list of seeds, one per prompt,
+        makes each prompt's samples its own, whatever else is in the call. ``stop_token_ids`` end a completion
         at any of those tokens (kept as its last token; ``finish_reason`` "stop"), besides the
         checkpoint's EOS: e.g. ``<|im_end|>``, past which a base model writes a made-up next turn.
         A completion cut at ``max_tokens`` has ``finish_reason`` "length". ``adapter`` (from
@@ -307,14 +308,17 @@ def sampling_params(
     max_tokens: int,
     top_p: float,
     stop: list[str] | None,
-    seed: int | None,
+    seed: int | list[int] | None,
     stop_token_ids: list[int] | None = None,
 ) -> SamplingParams | list[SamplingParams]:
     """Check the sampling arguments and build vLLM's ``SamplingParams`` for a call.
 
-    One object for all prompts, or one per prompt when ``seed`` is given: prompt ``i`` gets
-    ``seed + i * n``, so every sample has its own stream.
+    One object for all prompts, or one per prompt when ``seed`` is given: an int seeds prompt
+    ``i`` with ``seed + i * n``, so every sample has its own stream; a list gives each prompt its
+    own seed (the same samples for a prompt whatever else shares its batch).
     """
+    if isinstance(seed, list) and len(seed) != num_prompts:
+        raise ValueError(f"seed lists {len(seed)} seeds for {num_prompts} prompts; give one per prompt")
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if max_tokens < 1:
@@ -353,6 +357,8 @@ def sampling_params(
 
     if seed is None:
         return make(None)
+    if isinstance(seed, list):
+        return [make(s) for s in seed]
     return [make(seed + i * n) for i in range(num_prompts)]
 
 

@@ -221,6 +221,28 @@ async def test_invalid_state_dict_is_rejected_and_engine_keeps_working(
     assert await _greedy(engine) == before
 
 
+async def test_a_seed_per_prompt_gives_a_prompt_the_same_samples_whatever_shares_its_call(engine: Engine) -> None:
+    """Seeds listed per prompt (``PolicySettings.prompt_seeds``): a prompt sampled alone, or in
+    another order beside other prompts, draws the same tokens; another seed draws others."""
+    from forge.actors.policy import prompt_seed
+
+    seeds = [prompt_seed(f"p{i}", 0) for i in range(len(PROMPTS))]
+    together = await settle(engine.generate(PROMPTS, n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=seeds))
+    backwards = await settle(
+        engine.generate(PROMPTS[::-1], n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=seeds[::-1])
+    )
+    alone = await settle(engine.generate(PROMPTS[:1], n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=seeds[:1]))
+    tokens = lambda groups: [[c.token_ids.tolist() for c in g] for g in groups]  # noqa: E731
+    assert tokens(together) == tokens(backwards)[::-1]
+    assert tokens(alone) == tokens(together)[:1]
+    other = await settle(
+        engine.generate(PROMPTS, n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=[s + 1 for s in seeds])
+    )
+    assert tokens(other) != tokens(together)
+    with pytest.raises(ValueError, match=f"seed lists 1 seeds for {len(PROMPTS)} prompts"):
+        await settle(engine.generate(PROMPTS, n=1, temperature=1.0, max_tokens=MAX_TOKENS, seed=seeds[:1]))
+
+
 async def test_generate_rejects_bad_arguments(engine: Engine) -> None:
     """Out-of-range sampling arguments and malformed prompts fail before reaching vLLM."""
     with pytest.raises(ValueError, match="n must be"):
