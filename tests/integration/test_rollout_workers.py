@@ -11,7 +11,9 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,6 +82,21 @@ async def steps(rollouts: Rollouts, tasks: list[asyncio.Task], n: int) -> list[E
     return taken
 
 
+async def kill_and_go_on(
+    victim: Any, rollouts: Rollouts, tasks: list[asyncio.Task], n: int, ready: Callable[[], bool] = lambda: True
+) -> list[EpisodeBatch]:
+    """SIGKILL the replica ``victim``, take ``n`` steps meanwhile, then wait (20 s at most) until
+    it is back as generation 1 and ``ready()``; returns the steps' groups."""
+    os.kill(await victim.call("pid", (), {}, 10), signal.SIGKILL)
+    taken = await steps(rollouts, tasks, n)
+    for _ in range(200):
+        if victim.state is ReplicaState.HEALTHY and victim.generation == 1 and ready():
+            break
+        await asyncio.sleep(0.1)
+    assert victim.generation == 1 and victim.state is ReplicaState.HEALTHY
+    return taken
+
+
 def assert_exactly_once(rollouts: Rollouts, taken: list[EpisodeBatch]) -> None:
     ids = [g.group_ids[0] for g in taken]
     assert len(ids) == len(set(ids)), "a group was trained twice"
@@ -123,13 +140,7 @@ async def test_a_killed_worker_is_restarted_and_its_groups_made_again_none_lost_
     try:
         taken = await steps(rollouts, tasks, 1)
         victim = roles.rollout.service.replicas[0]
-        os.kill(await victim.call("pid", (), {}, 10), signal.SIGKILL)
-        taken += await steps(rollouts, tasks, 4)
-        for _ in range(200):
-            if victim.state is ReplicaState.HEALTHY and victim.generation == 1:
-                break
-            await asyncio.sleep(0.1)
-        assert victim.generation == 1 and victim.state is ReplicaState.HEALTHY
+        taken += await kill_and_go_on(victim, rollouts, tasks, 4)
         assert await victim.call("generations", ("policy",), {}, 10) == [0]  # attached before traffic
         before = victim.metrics()["endpoints"].get("groups", {}).get("requests", 0)
         taken += await steps(rollouts, tasks, 3)
@@ -148,13 +159,7 @@ async def test_a_policy_replica_killed_under_the_workers_reaches_them_restarted(
     try:
         taken = await steps(rollouts, tasks, 1)
         victim = roles.policy.service.replicas[1]
-        os.kill(await victim.call("pid", (), {}, 10), signal.SIGKILL)
-        taken += await steps(rollouts, tasks, 3)
-        for _ in range(200):
-            if victim.state is ReplicaState.HEALTHY and views.pushes >= 2:
-                break
-            await asyncio.sleep(0.1)
-        assert victim.generation == 1 and victim.state is ReplicaState.HEALTHY
+        taken += await kill_and_go_on(victim, rollouts, tasks, 3, ready=lambda: views.pushes >= 2)
         for _ in range(50):  # the push after the restart may still be on its way
             seen = await roles.rollout.generations.fanout("policy")
             if seen == [[0, 1], [0, 1]]:
