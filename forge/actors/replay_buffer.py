@@ -98,13 +98,13 @@ class GroupBuffer:
             check_int("capacity (or None)", capacity, 1)
         self.max_policy_age = max_policy_age
         self.capacity = capacity
-        self._groups: collections.deque[EpisodeBatch] = collections.deque()
-        self._versions: collections.deque[int] = collections.deque()  # each held group's, read once at add
+        # Each held group with its policy version, read once when it is added.
+        self._held: collections.deque[tuple[int, EpisodeBatch]] = collections.deque()
         self._seen: set[str] = set()  # every group_id ever added: a second add is a duplicate
         self.stats = BufferStats()
 
     def __len__(self) -> int:
-        return len(self._groups)
+        return len(self._held)
 
     def add(self, group: EpisodeBatch) -> bool:
         """Append one group (all its episodes share a ``group_id``); False if its ``group_id``
@@ -121,25 +121,22 @@ class GroupBuffer:
             self.stats.duplicates += 1
             return False
         self._seen.add(group_id)
-        if self.capacity is not None and len(self._groups) >= self.capacity:
-            self._groups.popleft()
-            self._versions.popleft()
+        if self.capacity is not None and len(self._held) >= self.capacity:
+            self._held.popleft()
             self.stats.evicted += 1
             self.stats.dropped_full += 1
-        self._groups.append(group)
-        self._versions.append(group_version(group))
+        self._held.append((group_version(group), group))
         self.stats.added += 1
         return True
 
     def evict(self, policy_version: int) -> int:
         """Drop every group too old to train at ``policy_version``; return how many."""
         oldest_allowed = policy_version - self.max_policy_age
-        if not self._versions or min(self._versions) >= oldest_allowed:
+        if not self._held or min(v for v, _ in self._held) >= oldest_allowed:
             return 0
-        kept = [(v, g) for v, g in zip(self._versions, self._groups) if v >= oldest_allowed]
-        dropped = len(self._groups) - len(kept)
-        self._versions = collections.deque(v for v, _ in kept)
-        self._groups = collections.deque(g for _, g in kept)
+        kept = collections.deque(held for held in self._held if held[0] >= oldest_allowed)
+        dropped = len(self._held) - len(kept)
+        self._held = kept
         self.stats.evicted += dropped
         self.stats.dropped_stale += dropped
         return dropped
@@ -149,16 +146,14 @@ class GroupBuffer:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.evict(policy_version)
-        if len(self._groups) < num_groups:
+        if len(self._held) < num_groups:
             return None
-        batch = [self._groups.popleft() for _ in range(num_groups)]
-        for _ in range(num_groups):
-            self._versions.popleft()
+        batch = [self._held.popleft()[1] for _ in range(num_groups)]
         self.stats.sampled += num_groups
         return batch
 
     def snapshot(self) -> BufferStats:
-        return dataclasses.replace(self.stats, size=len(self._groups))
+        return dataclasses.replace(self.stats, size=len(self._held))
 
 
 class ReplayBuffer(ForgeActor):
