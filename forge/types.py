@@ -74,8 +74,9 @@ class PackedGroup:
         if isinstance(group, PackedGroup):
             return group
         completions = group.completions
-        if not completions:
-            raise ValueError(f"group of prompt {group.prompt.prompt_id!r} has no completions")
+        if not completions:  # packed as it is: the caller's count check names the policy
+            empty = torch.zeros(0, dtype=torch.long)
+            return cls(group.prompt, empty, empty, torch.zeros(0), [], [], [], 0)
         return cls(
             prompt=group.prompt,
             prompt_ids=completions[0].prompt_ids,

@@ -472,3 +472,22 @@ async def test_trainer_with_mask_truncated_leaves_cut_completions_out(model_dir:
     assert masked["tokens"] == only["tokens"] == 2.0 and unmasked["tokens"] == 3.0
     assert_close_to_scale(masked["loss"], only["loss"], scale=_LOSS_SCALE, what="loss")
     assert unmasked["loss"] != pytest.approx(only["loss"], abs=1e-4)
+
+
+def test_a_plain_group_packs_as_the_policy_would_and_an_empty_one_packs_empty():
+    """PackedGroup.of: a Group from a policy of the user's own packs into the same flat fields
+    (and gives its completions back); one with no completions packs empty, so the rollouts'
+    count check, not the packing, names the policy."""
+    from forge.types import Group, PackedGroup
+
+    prompt = _prompt("12=")
+    completions = [
+        Completion(torch.tensor([4, 5]), torch.arange(k + 1), -torch.rand(k + 1), f"t{k}", 2) for k in range(3)
+    ]
+    packed = PackedGroup.of(Group(prompt, completions))
+    assert len(packed) == 3 and packed.response_lens == [1, 2, 3] and packed.policy_version == 2
+    assert packed.token_ids.tolist() == [0, 0, 1, 0, 1, 2] and packed.texts == ["t0", "t1", "t2"]
+    assert [c.token_ids.tolist() for c in packed.completions] == [[0], [0, 1], [0, 1, 2]]
+    assert PackedGroup.of(packed) is packed
+    empty = PackedGroup.of(Group(prompt, []))
+    assert len(empty) == 0 and empty.token_ids.numel() == 0 and empty.completions == []
