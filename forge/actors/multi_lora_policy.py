@@ -74,7 +74,7 @@ class MultiLoraPolicy(Policy):
         """``group_size`` completions of each prompt, sampled with the batch's adapter and
         stamped with its version (through the service each caller gets its own ``PackedGroup``)."""
         cfg = self.config
-        seeds = self.prompt_seeds(prompts, adapter.version)
+        seeds = self.sample_seeds(prompts, adapter.version)
         texts = [p.text for p in prompts]
         outputs = await self._sample(texts, cfg.group_size, "policy/batch_prompts", adapter=adapter, seed=seeds)
         return PackedGroups.pack(prompts, outputs, cfg.group_size, adapter.version)

@@ -268,7 +268,7 @@ class Policy(ForgeActor):
         own ``PackedGroup``. Called directly on an actor, use ``.unpack()``.
         """
         cfg = self.config
-        seeds = self.prompt_seeds(prompts, self.engine.version)
+        seeds = self.sample_seeds(prompts, self.engine.version)
         outputs = await self._sample([p.text for p in prompts], cfg.group_size, "policy/batch_prompts", seed=seeds)
         finished = [c.finish_reason for group in outputs for c in group]
         # Cut at max_tokens: scored and (unless trainer.mask_truncated) trained as if finished.
@@ -290,7 +290,7 @@ class Policy(ForgeActor):
             "policy/sample_batch",
             temperature=temperature,
             max_tokens=max_tokens,
-            seed=self.prompt_seeds(prompts, self.engine.version),
+            seed=self.sample_seeds(prompts, self.engine.version),
         )
         return PackedGroups.pack(prompts, outputs, n, self.engine.version)
 
@@ -353,7 +353,7 @@ class Policy(ForgeActor):
         record_metric("policy/generate_s", seconds, "sum")
         return outputs
 
-    def prompt_seeds(self, prompts: list[Prompt], version: int) -> list[int] | None:
+    def sample_seeds(self, prompts: list[Prompt], version: int) -> list[int] | None:
         """Each prompt's sampling seed on weights ``version`` with ``prompt_seeds``, else None."""
         if not self.config.prompt_seeds:
             return None

@@ -4,10 +4,10 @@ A service belongs to the process that started it, which restarts its replicas, p
 health and hears of their deaths from Monarch. A second process, such as a rollout worker that
 runs part of the controller's loop, reaches the same replicas through an attached service:
 
-    view = service_view(policy)                       # owner: a snapshot of the replicas
-    policy = attach(view)                             # worker: a ServiceInterface of its own
+    view = service_view(policy)                              # owner: a snapshot of the replicas
+    policy = await attach(view)                              # worker: a ServiceInterface of its own
     group = await policy.generate.route(prompt, key=k)
-    attached_service(policy).apply(service_view(...)) # worker: a restarted replica is back
+    await attached_service(policy).apply(service_view(...))  # worker: a restarted replica is back
 
 The attached service routes and prebatches with its own routers and batchers (the endpoint's
 ``Batching``), so a worker's requests cost the owner nothing. A call to a replica whose process

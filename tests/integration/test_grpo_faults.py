@@ -76,6 +76,15 @@ def _kill_role_at_step(proc: subprocess.Popen, tmp_path: Path, step: int, role: 
     victim.kill()
 
 
+def _every_step(proc: subprocess.Popen, tmp_path: Path) -> list[dict]:
+    """The run's rows once it exited 0 having logged each of its steps once, in order."""
+    code, out, err = _finish(proc)
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no step twice, none missing
+    return rows
+
+
 def _accounted(row: dict, steps: int, prompts_per_step: int = 4) -> None:
     """Every group went somewhere, none twice, and exactly the steps' groups were trained."""
     assert row["groups/lost"] == 0 and row["groups/unaccounted"] == 0, row
@@ -88,10 +97,7 @@ def test_killed_policy_replica_restarts_resyncs_and_the_run_completes(tmp_path: 
     the current weights before serving, and completes every step (same numbers), exit 0."""
     proc = _app(tmp_path)
     _kill_role_at_step(proc, tmp_path, 2, "policy")
-    code, out, err = _finish(proc)
-    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
-    rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    rows = _every_step(proc, tmp_path)
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[-1]["restarts/policy"] == 1 and rows[-1]["restarts/reference"] == 0
     # The restarted engine came up at version 0; it served only after loading the current weights
@@ -113,10 +119,7 @@ def test_multiturn_run_outlives_its_env_and_policy_replicas_dying_mid_trajectory
     for step, role in ((2, "env"), (4, "policy")):
         # 0.5 s into the next step: its groups' trajectories are playing their turns.
         _kill_role_at_step(proc, tmp_path, step, role, after_s=0.5)
-    code, out, err = _finish(proc)
-    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
-    rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    rows = _every_step(proc, tmp_path)
     last = rows[-1]
     assert last["restarts/env"] == 1 and last["restarts/policy"] == 1, last
     assert last["retried/env"] + last["groups/regenerated"] >= 1, last  # the env's death cut work short
@@ -140,10 +143,7 @@ def test_with_rollout_workers_the_run_outlives_a_worker_and_a_policy_replica_dyi
     assert len(workers) == 2, workers
     workers[0].kill()
     _kill_role_at_step(proc, tmp_path, 4, "policy", after_s=0.5)
-    code, out, err = _finish(proc)
-    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
-    rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    rows = _every_step(proc, tmp_path)
     last = rows[-1]
     assert last["restarts/rollout"] == 1 and last["restarts/policy"] == 1, last
     assert last["retried/rollout"] + last["groups/regenerated"] >= 1, last  # the worker's death cut work short
