@@ -2,6 +2,8 @@
 
 forge.controller is imported first so that Monarch reads forge's settings (1 s failure
 detection, quiet log file) and forge's fault hook replaces Monarch's exit-on-fault hook.
+``tests/skip_policy.py`` fails a run whose skips hid tests (a broken vLLM, not root);
+``FORGE_ALLOW_SKIPS=1`` allows them on a machine without.
 """
 
 import os
@@ -13,6 +15,9 @@ import forge.controller  # noqa: E402,F401  (before anything imports monarch)
 from forge.controller.provisioner import install_fault_hook  # noqa: E402
 
 install_fault_hook()
+
+# Skips are not passes: a skip that hides a test the machine should run fails the run (tests/skip_policy.py).
+pytest_plugins = ["tests.skip_policy"]
 
 
 import time  # noqa: E402
