@@ -32,6 +32,7 @@ from apps.grpo.rollout_workers import (  # noqa: E402
 from apps.grpo.rollouts import Rollouts  # noqa: E402
 from forge.controller import ReplicaState, endpoint  # noqa: E402
 from forge.types import EpisodeBatch, Prompt  # noqa: E402
+from tests.unit.controller.waits import until, until_answer  # noqa: E402
 
 GROUP = rollout_scale.GROUP_SIZE
 PROMPTS = 4
@@ -85,15 +86,15 @@ async def steps(rollouts: Rollouts, tasks: list[asyncio.Task], n: int) -> list[E
 async def kill_and_go_on(
     victim: Any, rollouts: Rollouts, tasks: list[asyncio.Task], n: int, ready: Callable[[], bool] = lambda: True
 ) -> list[EpisodeBatch]:
-    """SIGKILL the replica ``victim``, take ``n`` steps meanwhile, then wait (20 s at most) until
+    """SIGKILL the replica ``victim``, take ``n`` steps meanwhile, then wait (60 s at most) until
     it is back as generation 1 and ``ready()``; returns the steps' groups."""
     os.kill(await victim.call("pid", (), {}, 10), signal.SIGKILL)
     taken = await steps(rollouts, tasks, n)
-    for _ in range(200):
-        if victim.state is ReplicaState.HEALTHY and victim.generation == 1 and ready():
-            break
-        await asyncio.sleep(0.1)
-    assert victim.generation == 1 and victim.state is ReplicaState.HEALTHY
+
+    def back() -> bool:
+        return victim.state is ReplicaState.HEALTHY and victim.generation == 1 and ready()
+
+    await until(back, f"replica {victim.mesh_name} back as generation 1, and ready", 60)
     return taken
 
 
@@ -122,9 +123,12 @@ async def test_workers_make_the_groups_and_the_controller_sends_one_request_per_
         await rollout_scale.stop_cell(roles, rollouts, tasks)
         await stop_rollout_workers(roles, views)  # mid-group: the workers stop their groups first
         assert roles.rollout is None
-        await asyncio.sleep(1.0)  # past any reply that could not reach a stopped worker
+        # Every replica's first process still answers the controller's probe (one a worker's stop
+        # had failed would not); a reply undeliverable to a stopped worker comes back only after
+        # Monarch's delivery timeout: test_attach's test_a_replica_outlives_a_caller_that_died_...
         for role in ("policy", "reward", "reference"):
             replicas = getattr(roles, role).service.replicas
+            assert all([await r.probe(10) for r in replicas]), role
             assert all(r.state is ReplicaState.HEALTHY and r.generation == 0 for r in replicas), role
     finally:
         await rollout_scale.stop_cell(roles, rollouts, tasks)
@@ -160,12 +164,11 @@ async def test_a_policy_replica_killed_under_the_workers_reaches_them_restarted(
         taken = await steps(rollouts, tasks, 1)
         victim = roles.policy.service.replicas[1]
         taken += await kill_and_go_on(victim, rollouts, tasks, 3, ready=lambda: views.pushes >= 2)
-        for _ in range(50):  # the push after the restart may still be on its way
-            seen = await roles.rollout.generations.fanout("policy")
-            if seen == [[0, 1], [0, 1]]:
-                break
-            await asyncio.sleep(0.1)
-        assert seen == [[0, 1], [0, 1]]
+
+        async def every_worker_routes_to_both() -> bool:  # the push after the restart may still be on its way
+            return await roles.rollout.generations.fanout("policy") == [[0, 1], [0, 1]]
+
+        await until_answer(every_worker_routes_to_both, "every worker to route to generations 0 and 1", 20)
         taken += await steps(rollouts, tasks, 2)
         assert_exactly_once(rollouts, taken)
     finally:

@@ -13,7 +13,7 @@ import os
 import signal
 
 import pytest
-from waits import until
+from waits import until, until_answer
 
 from forge.controller import (
     Batching,
@@ -29,6 +29,15 @@ from forge.controller import (
 
 
 class Adder(ForgeActor):
+    def __init__(self) -> None:
+        self.working = 0  # slow calls that have started here
+        self.dropped = 0  # replies this replica could not deliver (their caller died)
+        self.released = asyncio.Event()
+
+    def _handle_undeliverable_message(self, message: object) -> bool:
+        self.dropped += 1
+        return super()._handle_undeliverable_message(message)
+
     @endpoint(batch=Batching(max_size=8, max_wait_s=0.005))
     async def add_one(self, items: list[int]) -> list[int]:
         return [x + 1 for x in items]
@@ -39,8 +48,19 @@ class Adder(ForgeActor):
 
     @endpoint(concurrent=True)
     async def slow(self, x: int) -> int:
-        await asyncio.sleep(1.5)
+        """Answers once the test releases this replica: in flight for as long as the test needs."""
+        self.working += 1
+        await self.released.wait()
         return x
+
+    @endpoint(concurrent=True)
+    async def release(self) -> None:
+        self.released.set()
+
+    @endpoint(concurrent=True)
+    async def counts(self) -> tuple[int, int]:
+        """(slow calls started, replies dropped)."""
+        return self.working, self.dropped
 
 
 class Caller(ForgeActor):
@@ -75,9 +95,37 @@ class Caller(ForgeActor):
         return self.adder.metrics()["endpoints"]["add_one"]["batches"]
 
 
+async def _counts(owner) -> list[tuple[int, int]]:
+    """Each live replica's (slow calls started, replies dropped)."""
+    replicas = [r for r in owner.service.replicas if r.state is ReplicaState.HEALTHY]
+    return [await r.call("counts", (), {}, 10) for r in replicas]
+
+
+async def _slow_started(owner) -> bool:
+    return any(started for started, _ in await _counts(owner))
+
+
+async def _dropped(owner) -> bool:
+    return any(dropped for _, dropped in await _counts(owner))
+
+
 @pytest.fixture
 async def owner():
     svc = await Adder.options(num_replicas=2, router="round_robin", restart_backoff_s=0.1).as_service()
+    yield svc
+    await svc.shutdown()
+
+
+# Monarch gives up on a message it cannot deliver after this long (30 s by default) and only then
+# hands it back to its sender; the replicas' processes read it when they start.
+DELIVERY_TIMEOUT = {"HYPERACTOR_MESSAGE_DELIVERY_TIMEOUT": "5s"}
+
+
+@pytest.fixture
+async def owner_quick_to_give_up():
+    """``owner``, whose replicas give up on an undeliverable reply after 5 s instead of 30 s."""
+    options = {"num_replicas": 2, "router": "round_robin", "restart_backoff_s": 0.1, "env": DELIVERY_TIMEOUT}
+    svc = await Adder.options(**options).as_service()
     yield svc
     await svc.shutdown()
 
@@ -107,8 +155,9 @@ async def test_a_dead_replica_fails_attached_calls_at_once_and_a_new_view_brings
     pid = await victim.call("pid", (), {}, 10)
     calls = asyncio.ensure_future(caller.add_all.call_one(list(range(8))))
     slow = asyncio.ensure_future(asyncio.wait_for(caller.slow.call_one(1), 20))
-    await asyncio.sleep(0.3)
+    await until_answer(lambda: _slow_started(owner), "the slow call to reach a replica")
     os.kill(pid, signal.SIGKILL)
+    await owner.service.replicas[1].call("release", (), {}, 10)  # the survivor answers it, first or resent
     assert await calls == list(range(1, 9))
     assert await slow == 1  # in flight on one replica or the other: answered, resent if it was the dead one
     await until(lambda: victim.state is ReplicaState.HEALTHY and victim.generation == 1, "the restart", 30)
@@ -117,15 +166,21 @@ async def test_a_dead_replica_fails_attached_calls_at_once_and_a_new_view_brings
     assert await caller.add_all.call_one(list(range(16))) == list(range(1, 17))
 
 
-async def test_a_replica_outlives_a_caller_that_died_waiting_for_it(owner, caller):
-    """The caller's process is SIGKILLed while a replica works for it: the replica's reply cannot
-    be delivered, and the replica stays healthy and answers the next caller (Monarch would fail it)."""
+async def test_a_replica_outlives_a_caller_that_died_waiting_for_it(owner_quick_to_give_up, caller):
+    """The caller's process is SIGKILLed while a replica works for it: once Monarch hands the
+    replica back its undeliverable reply (after the delivery timeout), the replica stays healthy
+    in the same process and answers the next caller."""
+    owner = owner_quick_to_give_up
     await caller.attach.call_one(service_view(owner))
+    pids = [await r.call("pid", (), {}, 10) for r in owner.service.replicas]
     pending = asyncio.ensure_future(caller.slow.call_one(1))
-    await asyncio.sleep(0.3)
+    await until_answer(lambda: _slow_started(owner), "the slow call to reach a replica")
     os.kill(await caller.pid.call_one(), signal.SIGKILL)
     await asyncio.gather(pending, return_exceptions=True)
-    await asyncio.sleep(2.0)  # past the reply's failed delivery
+    for replica in owner.service.replicas:
+        await replica.call("release", (), {}, 10)
+    await until_answer(lambda: _dropped(owner), "the replica to be handed back its reply to the dead caller", 30)
+    assert [await r.call("pid", (), {}, 10) for r in owner.service.replicas] == pids  # the same processes answer
     assert all(r.state is ReplicaState.HEALTHY and r.generation == 0 for r in owner.service.replicas)
     assert await asyncio.wait_for(owner.slow.route(2), 10) == 2
 

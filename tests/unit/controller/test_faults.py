@@ -109,7 +109,8 @@ async def test_killed_replica_loses_no_request_and_comes_back():
         assert victim.generation == 1 and victim.restarts == 1
         pids = await svc.pid.fanout()
         assert len(set(pids)) == 3 and victim_pid not in pids
-        assert svc.service.recovery_log and svc.service.recovery_log[0]["recovery_s"] < 15
+        # One recovery, the victim's (how long it took is docs/benchmarks.md's, not a test's).
+        assert [entry["replica"] for entry in svc.service.recovery_log] == [victim.replica_id]
     finally:
         await svc.shutdown()
 
@@ -182,12 +183,16 @@ async def test_restarted_replica_resyncs_before_taking_traffic():
 
 
 async def test_application_errors_never_restart_a_replica():
+    """Four endpoint errors over two replicas: each replica's first process still answers (a call
+    to a dead or failed one would fail) and the service never marked either failed."""
     svc = await Worker.options(num_replicas=2).as_service()
     try:
+        pids = [await r.call("pid", (), {}, 10) for r in svc.service.replicas]
         for _ in range(4):
             with pytest.raises(EndpointError, match="RuntimeError: application error"):
                 await bounded(svc.fail.route(), "the endpoint's own error")
-        await asyncio.sleep(1.5)  # longer than failure detection
+        assert svc.metrics()["endpoints"]["fail"]["errors"] == 4  # each error reached a replica and came back
+        assert [await bounded(r.call("pid", (), {}, 10), "a replica's answer") for r in svc.service.replicas] == pids
         assert [(r.state, r.generation) for r in svc.service.replicas] == [(ReplicaState.HEALTHY, 0)] * 2
     finally:
         await svc.shutdown()

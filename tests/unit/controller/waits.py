@@ -38,6 +38,18 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = 5.0, 
         await asyncio.sleep(poll)
 
 
+async def until_answer(
+    probe: Callable[[], Awaitable[bool]], what: str, timeout: float = 5.0, poll: float = 0.05
+) -> None:
+    """``until`` for a condition only a call can tell (a replica's own counters): ``await probe()``
+    until it is true; after ``timeout`` seconds the test fails, naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not await probe():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}", pytrace=False)
+        await asyncio.sleep(poll)
+
+
 async def settle() -> None:
     """Let every task that can run (a dispatcher, callers, batch tasks) run until it blocks."""
     for _ in range(10):
