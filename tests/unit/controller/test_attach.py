@@ -16,6 +16,7 @@ import pytest
 from waits import until, until_answer
 
 from forge.controller import (
+    ActorOptions,
     Batching,
     ForgeActor,
     NoHealthyReplica,
@@ -26,6 +27,7 @@ from forge.controller import (
     endpoint,
     service_view,
 )
+from forge.controller.attach import ReplicaView
 
 
 class Adder(ForgeActor):
@@ -209,4 +211,24 @@ async def test_a_view_of_another_shape_is_refused(owner):
         await attached_service(handle).apply(view)
     with pytest.raises(TypeError, match="owned by this process"):
         attached_service(owner)
+    await handle.shutdown()
+
+
+def _view(meshes: list[object | None], generations: list[int]) -> ServiceView:
+    """A view of Adder with stand-in actor meshes: ``apply`` only stores them (nothing is called)."""
+    replicas = [ReplicaView(i, g, m) for i, (m, g) in enumerate(zip(meshes, generations))]
+    return ServiceView(Adder, ActorOptions(num_replicas=len(meshes)), "adder", replicas)
+
+
+async def test_a_view_swaps_in_a_restarted_generation_and_drops_a_replica_no_longer_routed():
+    """apply: a replica the caller still thinks live at generation 0 is replaced by the view's
+    generation 1 (its mesh); one the view shows without a mesh stops taking traffic here."""
+    first, restarted, other = object(), object(), object()
+    handle = await attach(_view([first, other], [0, 0]))
+    replicas = attached_service(handle).replicas
+    assert [(r.actor_mesh, r.generation, r.accepting) for r in replicas] == [(first, 0, True), (other, 0, True)]
+    await attached_service(handle).apply(_view([restarted, None], [1, 0]))
+    assert (replicas[0].actor_mesh, replicas[0].generation) == (restarted, 1)
+    assert replicas[0].accepting and not replicas[1].accepting
+    assert attached_service(handle).healthy_replicas() == [replicas[0]]
     await handle.shutdown()

@@ -88,6 +88,8 @@ async def test_killed_replica_loses_no_request_and_comes_back():
     try:
         victim = svc.service.replicas[1]
         victim_pid = await victim.call("pid", (), {}, 10)
+        told: list[ReplicaState] = []  # the victim's state each time replica listeners are told of a change
+        svc.add_replica_listener(lambda: told.append(victim.state))
 
         async def one(i: int):
             await asyncio.sleep(i * 0.004)  # spread the 1,000 requests over ~4 s
@@ -107,6 +109,7 @@ async def test_killed_replica_loses_no_request_and_comes_back():
         assert svc.metrics()["retried"] > 0  # ... because the dead replica's requests were resent
         await until(lambda: all_healthy(svc), "the killed replica to be healthy again", 20)
         assert victim.generation == 1 and victim.restarts == 1
+        assert told[-1] is ReplicaState.HEALTHY  # listeners (rollout workers' views) heard it is back
         pids = await svc.pid.fanout()
         assert len(set(pids)) == 3 and victim_pid not in pids
         # One recovery, the victim's (how long it took is docs/benchmarks.md's, not a test's).
@@ -148,6 +151,28 @@ async def test_non_idempotent_endpoint_is_not_retried():
             await bounded(call, "ReplicaFailed for a retry=False request whose replica died", 20)
         assert svc.metrics()["retried"] == 0
     finally:
+        await svc.shutdown()
+
+
+async def test_a_replica_that_stops_answering_is_failed_by_its_probes_and_its_request_resent():
+    """A replica SIGSTOPped with a request in flight (no death for Monarch to report): the health
+    probes fail it after health_timeout_s, the request is resent to the other replica and
+    answered, and the hung replica is replaced by generation 1."""
+    options = {"num_replicas": 2, "restart_backoff_s": 0.2, "health_interval_s": 0.5, "health_timeout_s": 2.0}
+    svc = await Worker.options(**options).as_service()
+    pids = [await r.call("pid", (), {}, 10) for r in svc.service.replicas]
+    hung = None
+    try:
+        call = asyncio.ensure_future(svc.slow.route(5))
+        await until(lambda: any(r.in_flight for r in svc.service.replicas), "the request to reach a replica")
+        hung = next(r for r in svc.service.replicas if r.in_flight)
+        os.kill(pids[hung.replica_id], signal.SIGSTOP)
+        assert await bounded(call, "the hung replica's request answered by the other one", 30) == 5
+        assert svc.metrics()["retried"] == 1
+        await until(lambda: hung.generation == 1 and all_healthy(svc), "the hung replica to be replaced", 30)
+    finally:
+        if hung is not None:
+            os.kill(pids[hung.replica_id], signal.SIGKILL)  # a stopped process is not stopped by Monarch
         await svc.shutdown()
 
 

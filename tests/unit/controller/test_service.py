@@ -291,6 +291,18 @@ async def test_metrics_report_each_replica_and_endpoint(counter_service):
     assert m["replicas"][0]["state"] == "healthy"
 
 
+async def test_every_answered_request_leaves_the_in_flight_counts(counter_service):
+    """Plain and batched requests, some failing, once answered leave no request in flight on any
+    replica (the counts least-loaded routing and max_in_flight_per_replica admission go by)."""
+    svc = counter_service
+    await asyncio.gather(*(svc.add.route([i]) for i in range(6)))
+    await asyncio.gather(*(svc.fragile.route(x, key=str(x)) for x in (1, -2, 7)), return_exceptions=True)
+    assert [r.in_flight for r in svc.service.replicas] == [0, 0]
+    endpoints = svc.metrics()["endpoints"]
+    assert endpoints["add"]["requests"] >= 6 and endpoints["add"]["in_flight"] == 0
+    assert endpoints["fragile"]["in_flight"] == 0
+
+
 async def test_plain_actor_mesh_supports_monarch_adverbs():
     actor = await Counter.options(procs=2).as_actor(scale=5)
     try:
