@@ -19,6 +19,7 @@ from forge.controller import (
     EndpointError,
     ForgeActor,
     ForgeError,
+    NoHealthyReplica,
     Overloaded,
     ReplicaFailed,
     ReplicaState,
@@ -131,6 +132,23 @@ async def test_process_exit_inside_endpoint_is_reported_and_replica_restarts():
         await until(lambda: all_healthy(svc), "the exited replica to be healthy again", 20)
         assert svc.service.healthy_replicas() == replicas
         assert sum(r.restarts for r in svc.service.replicas) == 1
+    finally:
+        await svc.shutdown()
+
+
+async def test_with_max_restarts_0_a_dead_replica_stays_down_and_callers_are_told(caplog):
+    """max_restarts=0: the replica whose process exited is not restarted (the service says so),
+    stays FAILED at generation 0, and a later call fails at once with NoHealthyReplica."""
+    svc = await Worker.options(num_replicas=1, max_restarts=0, restart_backoff_s=0.1).as_service()
+    try:
+        with pytest.raises(ReplicaFailed):
+            await bounded(svc.crash.route(), "ReplicaFailed for a call whose process exited", 20)
+        gave_up = "max_restarts=0 allows no restart"
+        await until(lambda: gave_up in caplog.text, "the service to give the replica up", 20)
+        replica = svc.service.replicas[0]
+        assert (replica.state, replica.generation, replica.restarts) == (ReplicaState.FAILED, 0, 0)
+        with pytest.raises(NoHealthyReplica):
+            await bounded(svc.work.route(1), "NoHealthyReplica for a service that gave its replica up")
     finally:
         await svc.shutdown()
 
