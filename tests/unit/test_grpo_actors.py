@@ -331,6 +331,32 @@ async def test_trainer_step_is_on_policy_bumps_version_and_publishes_tensors(mod
         await trainer.stop()
 
 
+async def test_trainer_step_takes_the_ratio_from_behaviour_the_kl_from_reference_and_each_episodes_advantage(
+    model_dir: Path,
+):
+    """A step on on-policy episodes whose reference logprobs sit below their behaviour ones (by a
+    per-token amount) and whose rewards and advantages differ: ratio 1 (behaviour), the KL is the
+    k3 of the reference gaps, and the token-weighted policy loss is -sum(A_b T_b) / sum(T_b), over
+    two micro-batches."""
+    from forge.losses.grpo import k3_kl
+
+    episodes = _on_policy_batch(model_dir, temperature=1.0).unpack()  # response lengths 2, 4, 1, 3
+    for i, e in enumerate(episodes):
+        e.ref_logprobs = e.behaviour_logprobs - 0.1 * torch.arange(1, e.response_ids.numel() + 1) - 0.2 * i
+        e.reward, e.advantage = 5.0 + i, (-1.5, 0.5, 2.0, -1.0)[i]
+    stats = await _one_step(model_dir, "trainer_fields", episodes, loss_type="dapo", beta=0.5, micro_batch_size=2)
+    behaviour = torch.cat([e.behaviour_logprobs for e in episodes])
+    kl = float(k3_kl(behaviour, torch.cat([e.ref_logprobs for e in episodes])).mean())  # ~0.16
+    lengths = [e.response_ids.numel() for e in episodes]
+    pg = -sum(e.advantage * n for e, n in zip(episodes, lengths)) / sum(lengths)  # -0.3
+    assert_close_to_scale(stats["ratio_mean"], 1.0, rel=1e-4, what="ratio_mean")
+    assert_close_to_scale(stats["kl"], kl, rel=1e-4, what="kl")
+    assert_close_to_scale(stats["kl_loss"], kl, rel=1e-4, what="kl_loss")
+    assert_close_to_scale(stats["pg_loss"], pg, rel=1e-4, what="pg_loss")
+    assert_close_to_scale(stats["loss"], pg + 0.5 * kl, rel=1e-4, scale=1.0, what="loss")
+    assert stats["tokens"] == sum(lengths)
+
+
 async def test_trainer_resumed_from_a_checkpoint_continues_exactly(model_dir: Path, tmp_path: Path):
     """A fresh trainer loading step 1's checkpoint has the same weights, optimizer state,
     version and RNG state, so its step 2 equals the original trainer's bit for bit."""
