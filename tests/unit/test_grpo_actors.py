@@ -213,6 +213,10 @@ def fails_on_x(prompt: Prompt, text: str) -> float:
     return 1.0
 
 
+def text_length(prompt: Prompt, text: str) -> float:
+    return float(len(text))
+
+
 def test_reward_functions_resolve_by_registry_name_or_import_path():
     """'toy' comes from forge.data's registry; 'module:function' imports the function."""
     assert resolve_reward("toy")(Prompt("p", "123=", "321"), "321") == pytest.approx(1.0)
@@ -243,13 +247,14 @@ async def test_reward_actor_scores_whole_groups_and_isolates_failures_within_the
     is its error, the rest of its group and the other groups are scored."""
     from monarch.actor import this_proc
 
-    actor = this_proc().spawn("reward_groups", RewardActor, {f"{__name__}:half": 2.0, f"{__name__}:fails_on_x": 1.0})
+    fns = {f"{__name__}:half": 2.0, f"{__name__}:fails_on_x": 1.0, f"{__name__}:text_length": 1.0}
+    actor = this_proc().spawn("reward_groups", RewardActor, fns)
     try:
         await actor.setup.call_one()
         p, q = _prompt("1="), _prompt("2=")
-        scores = await actor.score_groups.call_one([(p, ["a", "x"]), (q, ["b"])])
-        assert [len(g) for g in scores] == [2, 1]
-        assert scores[0][0] == scores[1][0] == pytest.approx(2.0)
+        scores = await actor.score_groups.call_one([(p, ["ccc", "x", "a"]), (q, ["bb"])])
+        assert [len(g) for g in scores] == [3, 1]
+        assert [scores[0][0], scores[0][2], scores[1][0]] == pytest.approx([5.0, 3.0, 4.0])  # 1 + 1 + len(text)
         assert isinstance(scores[0][1], ValueError) and "fails_on_x" in str(scores[0][1])
     finally:
         await actor.stop()
@@ -547,4 +552,3 @@ def test_a_plain_group_packs_as_the_policy_would_and_an_empty_one_packs_empty():
     assert PackedGroup.of(packed) is packed
     empty = PackedGroup.of(Group(prompt, []))
     assert len(empty) == 0 and empty.token_ids.numel() == 0 and empty.completions == []
-
