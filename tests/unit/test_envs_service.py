@@ -104,8 +104,13 @@ class ScriptedPolicy(ForgeActor):
         return PackedGroups.pack(prompts, outputs, len(_REWARDS), 7).unpack()
 
     @endpoint(batch=Batching(max_size=64, max_wait_s=0.002))
-    async def score_groups(self, groups: list[tuple[Prompt, list[str]]]) -> list[list[float]]:
-        return [[float(text) for text in texts] for _, texts in groups]
+    async def score_groups(self, groups: list[tuple[Prompt, list[str]]]) -> list[list[float | Exception]]:
+        """Each text's number; a prompt with ``meta["fail"]`` gets an error for its last response."""
+        return [
+            [float(text) for text in texts[:-1]]
+            + [ValueError("no reward today") if p.meta.get("fail") else float(texts[-1])]
+            for p, texts in groups
+        ]
 
 
 class ScriptedReference(ForgeActor):
@@ -231,7 +236,8 @@ async def test_a_group_whose_every_trajectory_fails_stops_the_run_with_the_cause
 
 async def test_a_single_turn_group_takes_behaviour_reference_rewards_and_advantages_each_from_its_role(scripted):
     """Rollouts.one_group: each completion's behaviour logprobs are the policy's, its reference
-    logprobs the reference's, its reward the reward's and its advantage the group-normalised reward."""
+    logprobs the reference's, its reward the reward's and its advantage the group-normalised reward;
+    a reward that failed on one response fails the group, naming the reward role."""
     policy, reference = scripted
     rollouts = Rollouts(Roles(policy=policy, reward=policy, reference=reference), 4, concurrency=1, max_buffered=1)
     episodes = (await rollouts.one_group(PROMPT, "g7")).unpack()
@@ -245,3 +251,6 @@ async def test_a_single_turn_group_takes_behaviour_reference_rewards_and_advanta
     )
     assert {e.group_id for e in episodes} == {"g7"} and {e.policy_version for e in episodes} == {7}
     assert all(e.prompt_ids.tolist() == [1, 2, 3] for e in episodes)
+    with pytest.raises(RoleFailed, match="no reward today") as info:
+        await rollouts.one_group(Prompt("p1", "12=", "21", meta={"fail": True}), "g8")
+    assert info.value.role == "reward"
