@@ -221,15 +221,20 @@ async def test_multiturn_group_trains_on_the_trajectories_that_finished(scripted
 
 
 async def test_a_group_whose_every_trajectory_fails_stops_the_run_with_the_cause(scripted):
+    """A group whose every trajectory fails (its env raises; or its next turn, history plus
+    max_tokens, would pass max_model_len) is tried 3 times, then stops the run naming the cause."""
     policy, reference = scripted
     env = await _env(["raises"])
     try:
-        rollouts = MultiTurnRollouts(
-            Roles(policy=policy, reference=reference, env=env), 2, 1, 1, max_turns=3, max_tokens=2, max_model_len=64
-        )
+        roles = Roles(policy=policy, reference=reference, env=env)
+        rollouts = MultiTurnRollouts(roles, 2, 1, 1, max_turns=3, max_tokens=2, max_model_len=64)
         with pytest.raises(RoleFailed, match="every trajectory of group g1 failed 3 times.*sandbox crashed") as info:
             await rollouts.one_group(PROMPT, "g1")
         assert not info.value.recoverable
+        # Turn 0: 3 prompt tokens + 2 <= 8; turn 1: 3 + 2 sampled + 2 env tokens, + 2 > 8.
+        short = MultiTurnRollouts(roles, 1, 1, 1, max_turns=3, max_tokens=2, max_model_len=8)
+        with pytest.raises(RoleFailed, match=r"turn 1 would pass policy.max_model_len=8 \(7 tokens of history"):
+            await short.one_group(Prompt("p2", "12=", "21", meta={"mode": "ok"}), "g2")
     finally:
         await env.shutdown()
 
