@@ -205,6 +205,29 @@ def test_tool_calls_run_and_append_the_result_until_the_policy_answers():
     assert parse_tool_call("123") is None
 
 
+def test_a_call_past_max_tool_calls_is_scored_as_the_answer():
+    """With max_tool_calls=2, the third call is not run: the episode ends with the answer's score."""
+
+    class Echo(ToolEnvironment):
+        tools = {"echo": lambda arg: arg}
+        max_tool_calls = 2
+
+        async def reset(self, prompt):
+            return prompt.text
+
+        async def answer(self, action):
+            return StepResult("", -1.0, done=True)
+
+    async def play():
+        env = Echo()
+        await env.reset(Prompt("p", "say", "x"))
+        return [await env.step(Action((), "call echo hi", turn)) for turn in range(3)]
+
+    first, second, third = asyncio.run(play())
+    assert first == second == StepResult(" result hi ", 0.0, False)
+    assert third == StepResult("", -1.0, True)
+
+
 @pytest.mark.parametrize(
     "value, message",
     [

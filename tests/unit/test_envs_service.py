@@ -2,8 +2,9 @@
 
 The environments here misbehave on purpose (raise, return a malformed step, hang, never
 finish): each must fail its own trajectory, with a clear message, and nothing else. The policy
-and reference are small scripted ForgeActor services (no vLLM), so the rollout logic runs in
-seconds; tests/integration/test_multiturn.py drives the real vLLM policy.
+and reference are small scripted ForgeActor services (no vLLM), started once for the module, so
+the rollout logic runs in seconds; the same services score a single-turn group too (the policy
+is also its reward). tests/integration/test_multiturn.py drives the real vLLM policy.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import torch
 
 from apps.grpo.multiturn import MultiTurnRollouts
 from apps.grpo.roles import RoleFailed, Roles
+from apps.grpo.rollouts import Rollouts
+from forge.actors.policy import PackedGroups
+from forge.actors.reference_model import ResponseGroup
 from forge.controller import Batching, ForgeActor, endpoint
 from forge.envs import (
     Action,
@@ -30,7 +34,8 @@ from forge.envs import (
     StepRequest,
     StepResult,
 )
-from forge.types import Prompt, TurnRequest, TurnResult
+from forge.losses import group_advantages
+from forge.types import Completion, PackedGroup, Prompt, TurnRequest, TurnResult
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,8 +70,13 @@ class FlakyEnv(Environment):
         return StepResult([] if done else [7, 8], 1.0 if done else 0.0, done)
 
 
+_REWARDS = (0.0, 1.0, 0.0, 3.0)
+"""The rewards of a single-turn group's four completions (each completion's text)."""
+
+
 class ScriptedPolicy(ForgeActor):
-    """Samples two tokens per turn (a function of the history's length) with logprob -0.5 each."""
+    """Samples two tokens per turn (a function of the history's length) with logprob -0.5 each;
+    a single-turn group of four completions whose texts are their rewards, and scores them."""
 
     @endpoint(batch=Batching(max_size=64, max_wait_s=0.002))
     async def generate_turn(self, requests: list[TurnRequest]) -> list[TurnResult]:
@@ -75,11 +85,55 @@ class ScriptedPolicy(ForgeActor):
             for r in requests
         ]
 
+    @endpoint(batch=Batching(max_size=8, max_wait_s=0.002))
+    async def generate(self, prompts: list[Prompt]) -> list[PackedGroup]:
+        """4 completions of 1, 2, 1, 2 tokens, behaviour logprobs in (-2, -1], at version 7."""
+        outputs = [
+            [
+                Completion(
+                    torch.tensor([1, 2, 3]),
+                    torch.arange(10 * j, 10 * j + 1 + j % 2),
+                    -1.0 - 0.1 * j - 0.01 * torch.arange(1 + j % 2, dtype=torch.float32),
+                    str(reward),
+                    7,
+                )
+                for j, reward in enumerate(_REWARDS)
+            ]
+            for _ in prompts
+        ]
+        return PackedGroups.pack(prompts, outputs, len(_REWARDS), 7).unpack()
 
-class ZeroReference(ForgeActor):
+    @endpoint(batch=Batching(max_size=64, max_wait_s=0.002))
+    async def score_groups(self, groups: list[tuple[Prompt, list[str]]]) -> list[list[float | Exception]]:
+        """Each text's number; a prompt with ``meta["fail"]`` gets an error for its last response."""
+        return [
+            [float(text) for text in texts[:-1]]
+            + [ValueError("no reward today") if p.meta.get("fail") else float(texts[-1])]
+            for p, texts in groups
+        ]
+
+
+class ScriptedReference(ForgeActor):
+    """Scores response token t at ``-3 - t / 10``: apart from the policy's -0.5, so a group's
+    episodes show which logprobs went where."""
+
     @endpoint(batch=Batching(max_size=64, max_wait_s=0.002))
     async def logprobs(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        return [torch.zeros(response.numel()) for _, response in items]
+        return [-3.0 - 0.1 * torch.arange(response.numel(), dtype=torch.float32) for _, response in items]
+
+    @endpoint(batch=Batching(max_size=64, max_wait_s=0.002))
+    async def logprobs_groups(self, groups: list[ResponseGroup]) -> list[torch.Tensor]:
+        """A group's response tokens, flat, at ``-3 - t / 100``."""
+        return [-3.0 - 0.01 * torch.arange(g.response_ids.numel(), dtype=torch.float32) for g in groups]
+
+
+@pytest.fixture(scope="module")
+async def scripted():
+    """The scripted policy and reference services, shared by the module's rollout tests."""
+    policy = await ScriptedPolicy.options(procs=1, num_replicas=1).as_service()
+    reference = await ScriptedReference.options(procs=1, num_replicas=1).as_service()
+    yield policy, reference
+    await asyncio.gather(policy.shutdown(), reference.shutdown())
 
 
 async def _env(modes: list[str], replicas: int = 1, timeout: float = 1.0):
@@ -133,12 +187,11 @@ async def test_steps_are_prebatched_across_sessions_and_each_bad_episode_fails_a
         await env.shutdown()
 
 
-async def test_multiturn_group_trains_on_the_trajectories_that_finished(caplog):
+async def test_multiturn_group_trains_on_the_trajectories_that_finished(scripted, caplog):
     """A group of 6 where one env raises, one returns a malformed step, one hangs and one never
     finishes: the group holds the 2 good trajectories, each failure is logged with its session
     and cause, and the env holds no episode afterwards."""
-    policy = await ScriptedPolicy.options(procs=1, num_replicas=1).as_service()
-    reference = await ZeroReference.options(procs=1, num_replicas=1).as_service()
+    policy, reference = scripted
     env = await _env(["ok", "raises", "malformed", "hangs", "never_done", "ok"])
     try:
         roles = Roles(policy=policy, reference=reference, env=env)
@@ -153,25 +206,56 @@ async def test_multiturn_group_trains_on_the_trajectories_that_finished(caplog):
         assert episode.response_ids.tolist() == [13, 11, 7, 8, 17, 11]
         assert episode.loss_mask.tolist() == [True, True, False, False, True, True]
         assert episode.reward == 1.0 and episode.policy_version == 3
+        # Both finished trajectories won: equal rewards, zero advantages. The behaviour logprobs are
+        # the policy's (0 on the env's tokens), the reference's are the reference's.
+        assert episode.advantage == 0.0
+        assert episode.behaviour_logprobs.tolist() == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5]
+        assert episode.ref_logprobs.tolist() == pytest.approx([-3.0, -3.1, -3.2, -3.3, -3.4, -3.5])
         text = "\n".join(r.getMessage() for r in caplog.records)
         for cause in ("ValueError: the sandbox crashed", "must return a StepResult", "step_timeout_s", "max_turns=3"):
             assert cause in text
         assert text.count("trajectory failed (the run goes on without it)") == 4
         assert await _held(env) == 0  # finished and failed episodes alike are gone
     finally:
-        await asyncio.gather(policy.shutdown(), reference.shutdown(), env.shutdown())
+        await env.shutdown()
 
 
-async def test_a_group_whose_every_trajectory_fails_stops_the_run_with_the_cause():
-    policy = await ScriptedPolicy.options(procs=1, num_replicas=1).as_service()
-    reference = await ZeroReference.options(procs=1, num_replicas=1).as_service()
+async def test_a_group_whose_every_trajectory_fails_stops_the_run_with_the_cause(scripted):
+    """A group whose every trajectory fails (its env raises; or its next turn, history plus
+    max_tokens, would pass max_model_len) is tried 3 times, then stops the run naming the cause."""
+    policy, reference = scripted
     env = await _env(["raises"])
     try:
-        rollouts = MultiTurnRollouts(
-            Roles(policy=policy, reference=reference, env=env), 2, 1, 1, max_turns=3, max_tokens=2, max_model_len=64
-        )
+        roles = Roles(policy=policy, reference=reference, env=env)
+        rollouts = MultiTurnRollouts(roles, 2, 1, 1, max_turns=3, max_tokens=2, max_model_len=64)
         with pytest.raises(RoleFailed, match="every trajectory of group g1 failed 3 times.*sandbox crashed") as info:
             await rollouts.one_group(PROMPT, "g1")
         assert not info.value.recoverable
+        # Turn 0: 3 prompt tokens + 2 <= 8; turn 1: 3 + 2 sampled + 2 env tokens, + 2 > 8.
+        short = MultiTurnRollouts(roles, 1, 1, 1, max_turns=3, max_tokens=2, max_model_len=8)
+        with pytest.raises(RoleFailed, match=r"turn 1 would pass policy.max_model_len=8 \(7 tokens of history"):
+            await short.one_group(Prompt("p2", "12=", "21", meta={"mode": "ok"}), "g2")
     finally:
-        await asyncio.gather(policy.shutdown(), reference.shutdown(), env.shutdown())
+        await env.shutdown()
+
+
+async def test_a_single_turn_group_takes_behaviour_reference_rewards_and_advantages_each_from_its_role(scripted):
+    """Rollouts.one_group: each completion's behaviour logprobs are the policy's, its reference
+    logprobs the reference's, its reward the reward's and its advantage the group-normalised reward;
+    a reward that failed on one response fails the group, naming the reward role."""
+    policy, reference = scripted
+    rollouts = Rollouts(Roles(policy=policy, reward=policy, reference=reference), 4, concurrency=1, max_buffered=1)
+    episodes = (await rollouts.one_group(PROMPT, "g7")).unpack()
+    assert [e.reward for e in episodes] == list(_REWARDS)
+    assert [e.advantage for e in episodes] == group_advantages(torch.tensor(_REWARDS)).tolist()  # -0.82, 0, -0.82, 1.63
+    assert [e.response_ids.tolist() for e in episodes] == [[0], [10, 11], [20], [30, 31]]
+    behaviour = torch.cat([e.behaviour_logprobs for e in episodes]).tolist()
+    assert behaviour == pytest.approx([-1.0, -1.1, -1.11, -1.2, -1.3, -1.31])
+    assert torch.cat([e.ref_logprobs for e in episodes]).tolist() == pytest.approx(
+        [-3.0, -3.01, -3.02, -3.03, -3.04, -3.05]
+    )
+    assert {e.group_id for e in episodes} == {"g7"} and {e.policy_version for e in episodes} == {7}
+    assert all(e.prompt_ids.tolist() == [1, 2, 3] for e in episodes)
+    with pytest.raises(RoleFailed, match="no reward today") as info:
+        await rollouts.one_group(Prompt("p1", "12=", "21", meta={"fail": True}), "g8")
+    assert info.value.role == "reward"

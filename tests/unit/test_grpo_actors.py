@@ -213,6 +213,10 @@ def fails_on_x(prompt: Prompt, text: str) -> float:
     return 1.0
 
 
+def text_length(prompt: Prompt, text: str) -> float:
+    return float(len(text))
+
+
 def test_reward_functions_resolve_by_registry_name_or_import_path():
     """'toy' comes from forge.data's registry; 'module:function' imports the function."""
     assert resolve_reward("toy")(Prompt("p", "123=", "321"), "321") == pytest.approx(1.0)
@@ -243,13 +247,14 @@ async def test_reward_actor_scores_whole_groups_and_isolates_failures_within_the
     is its error, the rest of its group and the other groups are scored."""
     from monarch.actor import this_proc
 
-    actor = this_proc().spawn("reward_groups", RewardActor, {f"{__name__}:half": 2.0, f"{__name__}:fails_on_x": 1.0})
+    fns = {f"{__name__}:half": 2.0, f"{__name__}:fails_on_x": 1.0, f"{__name__}:text_length": 1.0}
+    actor = this_proc().spawn("reward_groups", RewardActor, fns)
     try:
         await actor.setup.call_one()
         p, q = _prompt("1="), _prompt("2=")
-        scores = await actor.score_groups.call_one([(p, ["a", "x"]), (q, ["b"])])
-        assert [len(g) for g in scores] == [2, 1]
-        assert scores[0][0] == scores[1][0] == pytest.approx(2.0)
+        scores = await actor.score_groups.call_one([(p, ["ccc", "x", "a"]), (q, ["bb"])])
+        assert [len(g) for g in scores] == [3, 1]
+        assert [scores[0][0], scores[0][2], scores[1][0]] == pytest.approx([5.0, 3.0, 4.0])  # 1 + 1 + len(text)
         assert isinstance(scores[0][1], ValueError) and "fails_on_x" in str(scores[0][1])
     finally:
         await actor.stop()
@@ -329,6 +334,62 @@ async def test_trainer_step_is_on_policy_bumps_version_and_publishes_tensors(mod
         assert any(not torch.equal(before[k], after[k]) for k in before)
     finally:
         await trainer.stop()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+async def test_trainer_step_takes_the_ratio_from_behaviour_the_kl_from_reference_and_each_episodes_advantage(
+    model_dir: Path, loss_type: str
+):
+    """A step on on-policy episodes whose reference logprobs sit below their behaviour ones (by a
+    per-token amount) and whose rewards and advantages differ, in two micro-batches of unequal
+    tokens: ratio 1 (behaviour), the KL is the k3 of the reference gaps (a token mean), the policy
+    loss is -mean(A_b) (grpo) or -sum(A_b T_b) / sum(T_b) (dapo), and the first step's lr is warmup's."""
+    from forge.losses.grpo import k3_kl
+
+    episodes = _on_policy_batch(model_dir, temperature=1.0).unpack()  # response lengths 2, 4, 1, 3
+    for i, e in enumerate(episodes):
+        e.ref_logprobs = e.behaviour_logprobs - 0.1 * torch.arange(1, e.response_ids.numel() + 1) - 0.2 * i
+        e.reward, e.advantage = 5.0 + i, (-1.5, 0.5, 2.0, 1.0)[i]
+    stats = await _one_step(
+        model_dir, f"trainer_{loss_type}", episodes, loss_type=loss_type, beta=0.5, micro_batch_size=2, warmup_steps=2
+    )
+    per_token_kl = [k3_kl(e.behaviour_logprobs, e.ref_logprobs) for e in episodes]
+    kl = float(torch.cat(per_token_kl).mean())  # ~0.16
+    lengths = [e.response_ids.numel() for e in episodes]
+    if loss_type == "dapo":
+        pg = -sum(e.advantage * n for e, n in zip(episodes, lengths)) / sum(lengths)  # -0.4
+        kl_loss = kl
+    else:
+        pg = -sum(e.advantage for e in episodes) / len(episodes)  # -0.5
+        kl_loss = sum(float(t.mean()) for t in per_token_kl) / len(episodes)
+    assert_close_to_scale(stats["ratio_mean"], 1.0, rel=1e-4, what="ratio_mean")
+    assert_close_to_scale(stats["kl"], kl, rel=1e-4, what="kl")
+    assert_close_to_scale(stats["kl_loss"], kl_loss, rel=1e-4, what="kl_loss")
+    assert_close_to_scale(stats["pg_loss"], pg, rel=1e-4, what="pg_loss")
+    assert_close_to_scale(stats["loss"], pg + 0.5 * kl_loss, rel=1e-4, scale=1.0, what="loss")
+    assert stats["tokens"] == sum(lengths) and stats["lr"] == pytest.approx(0.5e-2)
+
+
+def test_a_step_counts_its_trained_sequences_tokens_and_rows_from_each_episodes_own_mask():
+    """token_loss_mask lays each episode's own mask where its response sits (all true without
+    one); counts() gives the sequences with a trained token, the trained tokens and all rows."""
+    from forge.actors.trainer_batches import counts, token_loss_mask
+    from forge.models import pack_right_padded
+
+    def episode(prompt: list[int], response: list[int], mask: list[bool] | None) -> Episode:
+        lp = torch.full((len(response),), -1.0)
+        own = torch.tensor(mask) if mask is not None else None
+        return Episode("g", torch.tensor(prompt), torch.tensor(response), lp, lp, 0.0, 0.0, 0, loss_mask=own)
+
+    episodes = [
+        episode([1, 2], [3, 4, 5], [True, False, True]),
+        episode([1], [6, 7], None),
+        episode([1, 2, 3], [8], [False]),
+    ]
+    batch = pack_right_padded([e.prompt_ids for e in episodes], [e.response_ids for e in episodes], 0, [3, 2, 1])
+    batch.loss_mask = batch.loss_mask & token_loss_mask(episodes, batch.response_mask)
+    assert batch.loss_mask.int().tolist() == [[0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
+    assert counts([batch]) == {"sequences": 2.0, "tokens": 4.0, "rows": 3.0}
 
 
 async def test_trainer_resumed_from_a_checkpoint_continues_exactly(model_dir: Path, tmp_path: Path):

@@ -87,6 +87,20 @@ def test_counts_balance_with_dropped_groups():
     assert counts.lost == 0
 
 
+async def test_group_counts_name_what_the_rollouts_and_the_buffer_lost():
+    """groups/lost: started and neither stored, refused, dropped nor in flight; groups/unaccounted:
+    added to the buffer and neither trained, evicted nor held. A vanished group shows in each."""
+    from forge.actors.replay_buffer import BufferStats
+
+    rollouts = Rollouts(Roles(), group_size=4, concurrency=1, max_buffered=1)
+    rollouts.counts = RolloutCounts(started=10, stored=6, refused=1, dropped_uniform=1, in_flight=1)
+    rollouts.buffer_stats = BufferStats(added=6, sampled=3, evicted=1, size=1)
+    counts = rollouts.group_counts()
+    await rollouts.close()
+    assert counts["groups/lost"] == 1.0 and counts["groups/unaccounted"] == 1.0
+    assert counts["groups/trained"] == 3.0 and counts["groups/duplicates"] == 1.0
+
+
 # ----------------------------------------------------------------------------- the rollout loop
 def _prompt_number(prompt: Prompt) -> int:
     return int(prompt.prompt_id.rsplit("-", 1)[1])  # the toy task's ids: toy-<seed>-<index>

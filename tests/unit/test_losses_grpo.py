@@ -38,6 +38,14 @@ def test_group_advantages_of_equal_non_dyadic_rewards_are_exactly_zero(value):
     assert adv.dtype == torch.float32
 
 
+def test_group_advantages_of_equal_float64_rewards_are_exactly_zero():
+    """62 float64 rewards of 0.9, whose float64 mean is off by a rounding step, give exact zeros:
+    all-equal rewards are caught before the mean, not left to the arithmetic."""
+    rewards = torch.full((62,), 0.9, dtype=torch.float64)
+    assert bool((rewards - rewards.mean() != 0).any())  # the residue the early return avoids
+    assert torch.equal(group_advantages(rewards), torch.zeros(62))
+
+
 def test_group_advantages_have_no_float32_drift_in_a_varied_group():
     """0.3 x 7 and one 0.4: the float64 result, rounded once to float32."""
     rewards = [0.3] * 7 + [0.4]
