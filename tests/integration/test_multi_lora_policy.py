@@ -63,6 +63,8 @@ async def _refuses_untrusted_adapter_folders(svc, run_folder: Path, tmp_path: Pa
     write_adapter_folder(outside, tensors, SETTINGS, "base")
     with pytest.raises(Exception, match=rf"{outside / ADAPTER_CONFIG} is not under this run's weight folder"):
         await svc.update_weights.fanout(str(outside), 1, timeout=TIMEOUT_S)
+    if os.geteuid() != 0:
+        pytest.skip("making a file of another user needs root (the tests run as root here)")
     foreign = run_folder / "v1"
     write_adapter_folder(foreign, tensors, SETTINGS, "base")
     os.chown(foreign / ADAPTER_WEIGHTS, NOBODY, NOBODY)  # in the run's folder, but someone else's file
@@ -86,9 +88,7 @@ async def test_each_request_is_served_by_its_adapters_newest_version_through_lru
     in while a is held, b's version 2 recorded while it is not; after a SIGKILL of the replica the
     restarted one serves a's and b's version 2 (PEFT's logprobs for each); then b after a's
     retirement; vLLM never holds more than one adapter between calls, and none once both are
-    retired. Untrusted adapter folders are refused on the same replica first."""
-    if os.geteuid() != 0:
-        pytest.skip("making a file of another user needs root (the tests run as root here)")
+    retired. Untrusted adapter folders are refused on the same replica."""
     run_folder = private_folder(tmp_path / "weights" / "run")
     config = PolicyConfig(
         model_path=str(tiny_model_dir),
@@ -105,8 +105,6 @@ async def test_each_request_is_served_by_its_adapters_newest_version_through_lru
         num_replicas=1, max_models=1, name="policy", restart_backoff_s=0.1, env={ROLE_ENV: "policy"}
     ).as_service(config)
     try:
-        await _refuses_untrusted_adapter_folders(svc, run_folder, tmp_path, a1)
-
         adapters = SharedAdapters(svc, TIMEOUT_S)  # the app's record of every run's newest adapter, and resync
         weights = {}
         for adapter_id in ("a", "b"):
@@ -141,5 +139,6 @@ async def test_each_request_is_served_by_its_adapters_newest_version_through_lru
         assert svc.metrics()["models"]["evictions"] == evictions + 1  # a's retirement, no other
         with pytest.raises(Exception, match=r"adapter 'a' is not served by this policy"):
             await svc.generate_adapter.route(PROMPTS[0], model_id="a", timeout=TIMEOUT_S)
+        await _refuses_untrusted_adapter_folders(svc, run_folder, tmp_path, a1)  # last: its second part needs root
     finally:
         await svc.shutdown()

@@ -178,18 +178,18 @@ async def test_the_policy_refuses_a_weight_file_outside_its_run_folder_or_of_ano
 
     from forge.actors.policy import Policy, PolicyConfig
 
-    if os.geteuid() != 0:
-        pytest.skip("making a file of another user needs root (the tests run as root here)")
     mine = private_folder(tmp_path / "mine")
     other = private_folder(tmp_path / "other")
     files, own_files = WeightFiles(other), WeightFiles(mine)
     path = files.write({"w": torch.zeros(2)}, 1)
     foreign = own_files.write({"w": torch.zeros(2)}, 1)
-    os.chown(foreign, NOBODY, NOBODY)  # in the run's folder, but written by someone else
     policy = this_proc().spawn("policy_folder", Policy, PolicyConfig(model_path=str(tmp_path), weights_dir=str(mine)))
     try:  # no engine is started: the check comes first
         with pytest.raises(Exception, match=rf"UnsafeWeightFolder.*{path} is not under this run's weight folder"):
             await policy.update_weights.call_one(path, 1)
+        if os.geteuid() != 0:
+            pytest.skip("making a file of another user needs root (the tests run as root here)")
+        os.chown(foreign, NOBODY, NOBODY)  # in the run's folder, but written by someone else
         with pytest.raises(
             Exception,
             match=rf"UnsafeWeightFolder.*{foreign} belongs to uid {NOBODY}; the policy loads only files that you",
