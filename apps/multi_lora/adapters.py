@@ -1,8 +1,8 @@
 """The runs' adapters on the shared policy service: each run's weight sync, and what a replica serves.
 
-``SharedAdapters`` is the job's record of every run's newest adapter; it is the policy service's
-resync hook, so a restarted replica serves every live run's newest version before it takes
-traffic. ``AdapterWeights`` is one run's ``PolicyWeights``: its fetch is the GRPO app's (the
+``SharedAdapters`` is the job's record of every run's newest adapter; it makes itself the policy
+service's resync hook when it is made, so a restarted replica serves every live run's newest
+version before it takes traffic. ``AdapterWeights`` is one run's ``PolicyWeights``: its fetch is the GRPO app's (the
 trainer's adapter tensors), its push goes to the run's adapter on every replica. ``AdapterView``
 is the policy service as one run's rollouts see it: every request names the run's adapter.
 """
@@ -23,13 +23,17 @@ logger = logging.getLogger("forge.multi_lora")
 
 
 class SharedAdapters:
-    """Every live run's newest adapter on one policy service, and their arrival and departure."""
+    """Every live run's newest adapter on one policy service, and their arrival and departure.
+
+    Made, it is the service's resync hook (``policy.set_resync``): the record and the hook that
+    replays it cannot be set up apart."""
 
     def __init__(self, policy: Any, timeout_s: float) -> None:
         self.policy = policy
         self.timeout_s = timeout_s
         """Longest one call to the policy replicas may take (a fanout, an eviction)."""
         self.served: dict[str, ServedWeights] = {}
+        policy.set_resync(self.resync)  # a restarted replica serves every live run's newest adapter
 
     async def add(self, adapter_id: str) -> None:
         """Serve ``adapter_id`` on every replica (the base until its first version)."""

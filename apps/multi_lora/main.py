@@ -82,8 +82,7 @@ async def run(cfg: MultiLoraConfig, terminal: Any, resume_from: Path | None = No
     except Exception as exc:
         raise RoleFailed("policy", f"the shared policy did not start: {exc}") from exc
     try:
-        adapters = SharedAdapters(policy, runs[0].grpo.faults.health_timeout_s)
-        policy.set_resync(adapters.resync)  # a restarted replica serves every live run's newest adapter
+        adapters = SharedAdapters(policy, runs[0].grpo.faults.health_timeout_s)  # also the policy's resync hook
         results = await asyncio.gather(*(run_one(r, adapters, model_path, terminal) for r in runs))
         models = policy.metrics().get("models", {})
     finally:

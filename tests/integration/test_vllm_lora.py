@@ -103,3 +103,12 @@ def test_a_rank_above_max_lora_rank_names_both(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"policy\.max_lora_rank must be one of vLLM's \(1, 8, 16"):
         PolicyConfig(model_path=str(tiny_model_dir), lora=LoraSettings(rank=4), max_lora_rank=4)
     assert PolicyConfig(model_path=str(tiny_model_dir), lora=LoraSettings(rank=4)).lora.rank == 4
+
+
+def test_the_serving_rank_is_the_smallest_vllm_accepts_that_holds_the_adapter_unless_set() -> None:
+    """vLLM sizes every adapter slot by max_lora_rank: the default is the smallest accepted
+    value at or above the trainer's rank; a set one is kept."""
+    from forge.generation.lora import serving_rank
+
+    assert [serving_rank(r) for r in (1, 4, 8, 9, 16, 100)] == [1, 8, 8, 16, 16, 128]
+    assert serving_rank(4, 32) == 32

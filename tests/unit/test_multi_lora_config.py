@@ -103,3 +103,26 @@ def test_catalog_keeps_each_adapters_newest_folder_and_refuses_older_or_unknown(
         catalog.receive("b", "/some/folder", 1)  # type: ignore[arg-type]
     assert catalog.forget("a") and not Path(second).exists() and not catalog.forget("a")
     assert catalog.ids() == ["b"]
+
+
+def test_the_inbox_takes_only_adapter_tensors_and_adapter_folders_of_the_run(tmp_path: Path) -> None:
+    """A LoRA policy's inbox: tensors without PEFT's lora_ names (a full state dict) are refused
+    naming one; a folder inside the run's weight folder is taken as it is, one outside refused;
+    with no run folder, a folder without adapter weights is refused naming it."""
+    from forge.generation.adapter_inbox import AdapterInbox
+    from forge.generation.weight_folder import UnsafeWeightFolder, private_folder
+    from forge.models.lora import write_adapter_folder
+
+    settings = LoraSettings(rank=2, target_modules=["q_proj"])
+    run = private_folder(tmp_path / "run")
+    inbox = AdapterInbox(settings, "base", weights_dir=str(run))
+    with pytest.raises(ValueError, match=r"loads adapter tensors .*'model\.embed_tokens\.weight'"):
+        inbox.receive({"model.embed_tokens.weight": torch.zeros(2, 4), **_tensors(1.0)}, 1)
+    mine = str(write_adapter_folder(run / "v1", _tensors(1.0), settings, "base"))
+    assert inbox.receive(mine, 1) == mine
+    theirs = write_adapter_folder(tmp_path / "elsewhere", _tensors(1.0), settings, "base")
+    with pytest.raises(UnsafeWeightFolder, match=r"is not under this run's weight folder"):
+        inbox.receive(str(theirs), 2)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'empty'} is not an adapter folder"):
+        AdapterInbox(settings, "base", weights_dir=None).receive(str(tmp_path / "empty"), 1)

@@ -72,6 +72,26 @@ def test_ref_from_base_without_lora_is_a_config_error(model_dir: Path):
         _config(model_dir, lora=None)
 
 
+def test_adapter_folders_are_whole_new_paths_and_only_the_newest_three_stay(tmp_path: Path) -> None:
+    """The file transport's adapter folders: each version a new path holding a whole PEFT folder
+    (its tensors as written), even for a version number written again; the newest ``KEEP`` stay."""
+    from safetensors.torch import load_file
+
+    from forge.actors.trainer_lora import KEEP, AdapterFolders
+    from forge.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    folders = AdapterFolders(tmp_path, LoraSettings(rank=2, target_modules=["q_proj"]), "base")
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    paths = [folders.write({name: torch.full((2, 4), float(v))}, v) for v in (1, 2, 3, 4, 4)]
+    assert len(set(paths)) == 5  # version 4 twice (a restarted trainer): two paths
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(Path(p).name for p in paths[-KEEP:])
+    for path, value in zip(paths[-KEEP:], (3, 4, 4)):
+        assert (Path(path) / ADAPTER_CONFIG).is_file()
+        assert torch.equal(load_file(Path(path) / ADAPTER_WEIGHTS)[name], torch.full((2, 4), float(value)))
+    folders.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 async def test_two_rank_lora_trains_checkpoints_and_exports_only_the_adapter(model_dir: Path, tmp_path: Path):
     """procs=2 and procs=1 LoRA trainers take the same step; ``weights`` is the adapter alone (PEFT
     names, a few % of the model); the 2-rank checkpoint holds adapter tensors only and loads into

@@ -78,6 +78,21 @@ def test_a_file_without_a_finished_write_has_no_version(weight_files: Callable[.
             pass
 
 
+def test_a_write_that_fails_partway_leaves_its_file_with_no_version(weight_files: Callable[..., WeightFiles]) -> None:
+    """A copy that stops after the first tensor (as a killed writer's does) leaves the file it
+    reused stamped with no version: a late reader of the version it held gets ``StaleWeightFile``,
+    never that version's name on half-new bytes."""
+    files = weight_files(slots=2)
+    first = files.write(_state(1.0), 1)
+    files.write(_state(2.0), 2)
+    broken = {**_state(3.0), "model.norm.weight": torch.full((8,), 3.5).to_sparse()}  # copy_ refuses it
+    with pytest.raises(RuntimeError, match="sparse"):
+        files.write(broken, 3)  # into the file of version 1: the least recently written
+    with pytest.raises(StaleWeightFile, match=r"holds no version \(it was being written\), not version 1"):
+        with read_weights(first, 1):
+            pass
+
+
 def test_the_writer_never_rewrites_a_file_being_read(weight_files: Callable[..., WeightFiles]) -> None:
     """A reader's mapped tensors keep their version while the trainer publishes three more."""
     files = weight_files(slots=3)

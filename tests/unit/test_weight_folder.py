@@ -170,21 +170,32 @@ def test_a_killed_runs_folder_is_removed_by_the_next_run_and_a_live_runs_kept(tm
         live.stop()
 
 
-async def test_the_policy_refuses_a_weight_file_outside_its_run_folder(tmp_path: Path) -> None:
-    """A Policy actor given a run folder (as the GRPO app gives it) refuses another folder's file
-    before it loads anything; the error names the path."""
+async def test_the_policy_refuses_a_weight_file_outside_its_run_folder_or_of_another_user(tmp_path: Path) -> None:
+    """A Policy actor given a run folder (as the GRPO app gives it) refuses another folder's file,
+    and a file in its own folder that another user owns, before it loads anything; each error
+    names the path and the rule."""
     from monarch.actor import this_proc
 
     from forge.actors.policy import Policy, PolicyConfig
 
     mine = private_folder(tmp_path / "mine")
     other = private_folder(tmp_path / "other")
-    files = WeightFiles(other)
+    files, own_files = WeightFiles(other), WeightFiles(mine)
     path = files.write({"w": torch.zeros(2)}, 1)
+    foreign = own_files.write({"w": torch.zeros(2)}, 1)
     policy = this_proc().spawn("policy_folder", Policy, PolicyConfig(model_path=str(tmp_path), weights_dir=str(mine)))
     try:  # no engine is started: the check comes first
         with pytest.raises(Exception, match=rf"UnsafeWeightFolder.*{path} is not under this run's weight folder"):
             await policy.update_weights.call_one(path, 1)
+        if os.geteuid() != 0:
+            pytest.skip("making a file of another user needs root (the tests run as root here)")
+        os.chown(foreign, NOBODY, NOBODY)  # in the run's folder, but written by someone else
+        with pytest.raises(
+            Exception,
+            match=rf"UnsafeWeightFolder.*{foreign} belongs to uid {NOBODY}; the policy loads only files that you",
+        ):
+            await policy.update_weights.call_one(foreign, 1)
     finally:
         await policy.stop()
         files.close()
+        own_files.close()
