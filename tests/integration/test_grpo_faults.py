@@ -257,13 +257,16 @@ def test_killed_trainer_is_replaced_from_its_checkpoint_and_the_run_completes(tm
     """SIGKILL of the trainer's process (of one rank of two) after step 3, checkpoints every 2
     steps: a new mesh of the same shape loads the step-2 checkpoint, the trainer and every policy
     replica (two with one rank) then hold its weights, steps 3 onward are trained again and logged
-    once, and the run completes every step with exit 0, every group accounted for."""
-    replicas = 2 if procs == 1 else 1
+    once, and the run completes every step with exit 0, every group accounted for. With two ranks
+    (faults.trainer_max_restarts=2) a rank of the new mesh is killed too as soon as it is up, while
+    it restores: that death counts, and a third mesh restores the checkpoint."""
+    replicas, deaths = (2, 1) if procs == 1 else (1, 2)
     proc = _app(
         tmp_path,
         "trainer.checkpoint_every=2",
         f"trainer.procs={procs}",
         f"policy.num_replicas={replicas}",
+        f"faults.trainer_max_restarts={deaths}",
         f"trainer.keep_checkpoints={STEPS}",  # the restored one is still there at the end
     )
     _wait_for_step(proc, tmp_path, 3)
@@ -271,56 +274,37 @@ def test_killed_trainer_is_replaced_from_its_checkpoint_and_the_run_completes(tm
     ranks = role_processes(proc.pid, "trainer")
     assert len(ranks) == procs
     ranks[-1].kill()
+    if deaths == 2:
+        _kill_new_trainer_process(proc, {rank.pid for rank in ranks})
     code, out, err = _finish(proc)
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no step twice, none missing
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))  # rewound with the step
-    assert rows[-1]["restarts/trainer"] == 1 and rows[0]["restarts/trainer"] == 0
+    assert rows[-1]["restarts/trainer"] == deaths and rows[0]["restarts/trainer"] == 0, rows[-1]
     # The newest complete checkpoint when it died: step 2's, or a later one if the run got that far first.
-    restored = re.search(r"replacing it from step_(\d+)", err)
-    assert restored is not None and int(restored.group(1)) in (2, 4, 6), err[-3000:]
-    _restored_weights_served(rows, tmp_path, int(restored.group(1)), replicas)
+    restored = re.findall(r"replacing it from step_(\d+) \(restart (\d) of", err)
+    assert [int(n) for _, n in restored] == list(range(1, deaths + 1)), err[-3000:]
+    assert int(restored[-1][0]) in (2, 4, 6) and err.count("the trainer is back at step") == 1, err[-3000:]
+    if deaths == 2:  # the second death came while the first replacement restored, not after it was back
+        assert re.search(r"\(while restoring step_\d+\)\); replacing it from step_\d+ \(restart 2 of 2\)", err)
+    _restored_weights_served(rows, tmp_path, int(restored[-1][0]), replicas)
     last = rows[-1]
     assert last["groups/lost"] == 0 and last["groups/unaccounted"] == 0 and last["groups/duplicates"] == 0, last
     # Steps 3 (and a step cut short by the kill, if any) took groups twice; none was lost.
     assert last["groups/trained"] >= STEPS * 4, last
 
 
-def test_a_trainer_killed_again_while_it_restores_is_replaced_once_more_and_the_run_completes(tmp_path: Path) -> None:
-    """faults.trainer_max_restarts=2: SIGKILL of the trainer after step 3, then of its replacement
-    as soon as its process is up, while it restores: a third trainer restores the checkpoint, both
-    deaths are counted (restarts/trainer 2), and the run completes every step from its weights."""
-    steps = 5
-    proc = start_app(
-        tmp_path,
-        "trainer.checkpoint_every=2",
-        "faults.trainer_max_restarts=2",
-        f"trainer.keep_checkpoints={steps}",
-        steps=steps,
-    )
-    _wait_for_step(proc, tmp_path, 3)
-    _wait_for_checkpoint(proc, tmp_path)
-    (first,) = role_processes(proc.pid, "trainer")
-    first.kill()
-    deadline = time.monotonic() + 120
-    while not (new := [p for p in role_processes(proc.pid, "trainer") if p.pid != first.pid]):
-        assert proc.poll() is None and time.monotonic() < deadline, "no new trainer process"
+def _kill_new_trainer_process(proc: subprocess.Popen, old: set[int], timeout: float = 120) -> None:
+    """SIGKILL the first process of the trainer's replacement as soon as it is up (mid-restore)."""
+    deadline = time.monotonic() + timeout
+    while not (new := [p for p in role_processes(proc.pid, "trainer") if p.pid not in old]):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, out, err = _finish(proc, timeout=10)
+            pytest.fail(f"no new trainer process\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
         time.sleep(0.05)
-    new[0].kill()  # mid-restore: its mesh is starting or loading the checkpoint
-    code, out, err = _finish(proc)
-    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
-    rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert rows[-1]["restarts/trainer"] == 2, rows[-1]
-    # The second death came while the first replacement restored, not after it was back.
-    second = re.search(r"\(while restoring (step_\d+)\)\); replacing it from (step_\d+) \(restart 2 of 2\)", err)
-    assert second is not None and err.count("the trainer is back at step") == 1, err[-3000:]
-    restored = int(second.group(2)[len("step_") :])
-    _restored_weights_served(rows, tmp_path, restored, replicas=1)
-    last = rows[-1]
-    assert last["groups/lost"] == 0 and last["groups/unaccounted"] == 0 and last["groups/duplicates"] == 0, last
-    assert last["groups/trained"] >= steps * 4, last  # the steps after the checkpoint took groups twice
+    new[0].kill()
 
 
 @pytest.mark.slow  # ~45 s; the replacement itself is in the default suite (the SIGKILL tests above)

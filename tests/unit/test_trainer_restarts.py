@@ -1,9 +1,11 @@
-"""How many times a GRPO run replaces a dead trainer (``apps.grpo.trainer_restart.TrainerRestarts``):
-the replacement itself is a tiny fake here (its outcome scripted), the checkpoint it restores is a
-real one; the end-to-end replacements are in tests/integration/test_grpo_faults.py."""
+"""How a GRPO run replaces a dead trainer (``apps.grpo.trainer_restart.TrainerRestarts``): how
+often, from which checkpoint, and what the role watch and the step loop do around it. The
+replacement itself is a tiny fake (its outcome scripted); the checkpoints are real. The
+end-to-end replacements are in tests/integration/test_grpo_faults.py."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,33 @@ async def test_a_new_trainer_whose_own_code_fails_while_restoring_is_not_replace
     with pytest.raises(RoleFailed) as stopped:
         await restarts.restart(_died(1))
     assert stopped.value is bad and restarts.replaced == ["step_00000004"]
+
+
+async def test_a_replaced_trainer_is_forgotten_by_the_watch_and_late_reports_of_its_processes_are_silenced() -> None:
+    """``RoleWatch.retire``: the dead trainer's failure no longer ends the run, and a report of
+    its mesh's processes that arrives after the replacement is expected, not a new failure."""
+    from types import SimpleNamespace
+
+    from apps.grpo.faults import RoleWatch
+
+    watch = RoleWatch(load_config(GRPOConfig, None, ["model.path=/m"]))
+    watch._actor_meshes["trainer-old"] = "trainer"  # what watch_actor records from the mesh's name
+    assert watch(SimpleNamespace(mesh_name="trainer-old")) is True
+    await asyncio.sleep(0)  # the report reaches the loop
+    assert watch.failed.is_set() and watch.error is not None and watch.error.role == "trainer"
+    watch.retire("trainer")
+    assert not watch.failed.is_set() and watch.error is None
+    assert watch(SimpleNamespace(mesh_name="trainer-old")) is True  # a late report of the dead mesh
+    await asyncio.sleep(0)
+    assert not watch.failed.is_set() and watch.error is None
+    assert watch(SimpleNamespace(mesh_name="policy-x")) is False  # not ours: a service's own replica
+
+
+def test_a_checkpoint_is_due_every_n_steps_and_at_the_last_step() -> None:
+    """``trainer.checkpoint_every=3`` over 8 steps: steps 3, 6 and the last (8); none with 0."""
+    from apps.grpo.training import checkpoint_due
+
+    cfg = load_config(GRPOConfig, None, ["model.path=/m", "steps=8", "trainer.checkpoint_every=3"])
+    assert [s for s in range(1, 9) if checkpoint_due(cfg, s)] == [3, 6, 8]
+    cfg = load_config(GRPOConfig, None, ["model.path=/m", "steps=8", "trainer.checkpoint_every=0"])
+    assert not any(checkpoint_due(cfg, s) for s in range(1, 9))
