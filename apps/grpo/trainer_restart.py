@@ -13,7 +13,10 @@ one rank's of a ``trainer.procs`` mesh, dies, or hangs (a call to it unanswered 
 3. it loads the newest complete checkpoint (resharded if need be); the step counter rewinds to
    its step, and every step after it is trained again and logged once (the run's log rewinds
    too, as on ``--resume``);
-4. every policy replica loads that checkpoint's weights, at its version.
+4. every policy replica loads that checkpoint's weights, at its version; what the trainer holds
+   and what each replica serves then, measured where they live (the trainer's weights
+   fingerprint; the logprobs of a probe each replica samples against the trainer's of the same
+   tokens), are in the next step's row (``weight_sync/restore/*``).
 
 The rollout side never stops: the policy, reference and reward services go on filling the buffer
 while the trainer is replaced. Groups sampled by versions newer than the restored one (the dead
@@ -32,7 +35,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -40,6 +43,7 @@ from apps.grpo.faults import RoleWatch, resume_hint, role_processes
 from apps.grpo.roles import RoleFailed, Roles, assign_gpus, call_role, role_specs, start_role
 from forge.checkpoint import latest_checkpoint
 from forge.controller import ForgeActor, ReplicaFailed, RequestTimeout
+from forge.controller.errors import describe
 from forge.controller.hosts import NotEnoughHosts
 from forge.distributed import call_spmd
 
@@ -51,6 +55,9 @@ logger = logging.getLogger("forge.grpo")
 STOP_TIMEOUT_S = 30.0
 """Longest the dead mesh's stop may take before the new one starts anyway (its processes are
 reaped at exit)."""
+PROBE_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+"""Token ids each policy replica samples from after a restore, for the trainer to score the same
+tokens: any ids of any vocabulary; the logprobs, not the text, are compared."""
 LOST_HOST_STOP_TIMEOUT_S = 5.0
 """The same when a host of the pool is lost: its ranks cannot answer, the live ones stop at once."""
 
@@ -141,8 +148,48 @@ class TrainerRestarts:
         await self.watch.watch_actor("trainer", trainer)
         load = call_spmd(trainer.load_checkpoint, checkpoint, timeout_s=cfg.faults.health_timeout_s)
         step, version, _ = await call_role("trainer", load)
+        before = await self._policy_call(roles.policy.version.fanout())
         await roles.weights.sync()
+        await self._report_served(max(before or [0]), version)
         return step, version
+
+    @staticmethod
+    async def _policy_call(call: Any) -> Any:
+        """A report's call to the policy replicas; None if none answers (they are restarting: each
+        resyncs before it serves), which leaves the report out and the restore going on."""
+        try:
+            return await call_role("policy", call)
+        except RoleFailed as exc:
+            if not exc.recoverable:
+                raise
+            logger.info("the policy replicas could not report their weights after the restore: %s", exc)
+            return None
+
+    async def _report_served(self, rolled_back_from: int, version: int) -> None:
+        """Record what the restored trainer holds and what every policy replica serves after the
+        resync, each measured where it lives, in the next step's row (``weight_sync/restore/*``):
+        the trainer's ``weights_fingerprint``; each replica's version and the largest difference
+        between the logprobs of a probe it sampled and the trainer's of the same tokens (near 0:
+        it serves the trainer's weights). ``rolled_back_from``: the newest version a replica
+        served before (the dead trainer's). A replica at another version is named in a warning."""
+        from forge.observability import record_metric
+
+        cfg, roles = self.cfg, self.roles
+        record_metric("weight_sync/restore/rolled_back_from", rolled_back_from, "last")
+        fingerprint = call_spmd(roles.trainer.weights_fingerprint, timeout_s=cfg.faults.health_timeout_s)
+        for name, value in zip(("sum", "sumsq"), await call_role("trainer", fingerprint)):
+            record_metric(f"weight_sync/restore/trainer_{name}", value, "last")
+        samples = await self._policy_call(roles.policy.probe.fanout(PROBE_PROMPT))
+        if not samples:
+            return
+        pairs = [(PROBE_PROMPT, tokens) for _, tokens, _ in samples]
+        scored = call_spmd(roles.trainer.probe_logprobs, pairs, timeout_s=cfg.faults.health_timeout_s)
+        for i, ((served, _, got), want) in enumerate(zip(samples, await call_role("trainer", scored))):
+            gap = max((abs(g - w) for g, w in zip(got, want)), default=float("nan"))  # nan: no token sampled
+            record_metric(f"weight_sync/restore/policy{i}_version", served, "last")
+            record_metric(f"weight_sync/restore/policy{i}_logprob_gap", gap, "last")
+            if served != version:
+                logger.warning("policy replica %d serves version %d after the restore, not %d", i, served, version)
 
     def _lost_hosts(self) -> list[str]:
         """The pool's hosts whose worker stopped answering, now marked dead (each named in a warning)."""
@@ -170,7 +217,11 @@ class TrainerRestarts:
                     hint = "" if fewest < wanted else "; set trainer.min_hosts to let it restart on fewer hosts"
                     raise RoleFailed("trainer", f"{exc}{hint}") from exc
             except Exception as exc:
-                raise RoleFailed("trainer", exc) from exc
+                # A process of the new mesh that dies while it starts (killed as the last one was,
+                # or its host's) is a death while restoring: the next restart, if any is left,
+                # may come up. The same spec started the run, so a start cannot fail for good here.
+                died = ReplicaFailed(f"the new trainer mesh failed to start: {describe(exc, limit=600, typed=True)}")
+                raise RoleFailed("trainer", died) from exc
         if hosts < wanted:
             logger.warning(
                 "the trainer restarts on %d host(s) instead of %d (trainer.min_hosts=%d): the checkpoint reshards "

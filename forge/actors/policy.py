@@ -416,6 +416,15 @@ class Policy(ForgeActor):
         """Policy version of the weights being served."""
         return self.engine.version
 
+    @endpoint
+    async def probe(self, prompt_ids: list[int], seed: int = 0) -> tuple[int, list[int], list[float]]:
+        """The version served and one sample of ``prompt_ids`` (``seed``; the run's sampling
+        settings): its tokens and their logprobs. The trainer scores the same tokens
+        (``Trainer.probe_logprobs``): equal logprobs say the replica serves the trainer's weights."""
+        (completions,) = await self._sample([prompt_ids], 1, "policy/probe_batch", seed=[seed])
+        (sample,) = completions
+        return sample.policy_version, sample.token_ids.tolist(), sample.logprobs.tolist()
+
     async def __cleanup__(self, exc: BaseException | None) -> None:
         """Monarch's stop hook: shut the engine down so the process can exit at once."""
         if self.engine is not None:

@@ -343,6 +343,44 @@ class Trainer(ForgeActor):
         return self._state_dict(), self.version
 
     @endpoint
+    async def probe_logprobs(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Per-token logprobs of each ``(prompt_ids, response_ids)`` under the current weights at
+        the sampler's temperature: what a policy replica serving them gives (``Policy.probe``).
+        Every rank scores every pair (the forward's collectives pair up)."""
+        cfg = self.config
+        batch = pack_right_padded(
+            [torch.tensor(p, dtype=torch.long) for p, _ in pairs],
+            [torch.tensor(r, dtype=torch.long) for _, r in pairs],
+            cfg.pad_id,
+        )
+        mask = batch.response_mask.to(self.device)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                rows = padded_token_logprobs(
+                    self.model,
+                    batch.input_ids.to(self.device),
+                    batch.attention_mask.to(self.device),
+                    cfg.temperature,
+                    positions=mask,
+                    chunk_tokens=cfg.logprob_chunk_tokens,
+                    pack=cfg.pack_sequences,
+                    row_tokens=cfg.pack_row_tokens,
+                )
+        finally:
+            self.model.train()
+        return [row[m].float().cpu().tolist() for row, m in zip(rows, mask)]
+
+    @endpoint
+    async def weights_fingerprint(self) -> tuple[float, float] | None:
+        """``forge.generation.weight_sync.weights_fingerprint`` of the weights ``weights`` gives
+        (rank 0; None on other ranks): what a policy replica that loaded them holds."""
+        from forge.generation.weight_sync import weights_fingerprint
+
+        state = self._state_dict()
+        return weights_fingerprint(state.values()) if self.rank.is_main else None
+
+    @endpoint
     async def publish_weights(self, folder: str) -> tuple[str, int]:
         """Write the weights into a safetensors file under ``folder``; return (path, version).
 

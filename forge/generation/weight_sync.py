@@ -30,7 +30,7 @@ where the sampler runs, even when vLLM spawned the worker as another process.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ __all__ = [
     "checkpoint_ties_embeddings",
     "file_transport_bytes",
     "validate_state_dict",
+    "weights_fingerprint",
 ]
 
 TIED_HEAD = "lm_head.weight"
@@ -185,6 +186,19 @@ def apply_cpu_sampler_fix() -> None:
 def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Per row, how many entries of ``x`` are >= ``values`` (vLLM's rank, eager)."""
     return (x >= values).sum(-1)
+
+
+def weights_fingerprint(tensors: Iterable[torch.Tensor]) -> tuple[float, float]:
+    """(sum, sum of squares) of every element of ``tensors``, in float64: a fingerprint of a
+    model's weights that does not depend on how they are sharded or ordered (a trainer's
+    published weights against a checkpoint's), up to float64 rounding. Any training step changes
+    it. Not for what a vLLM engine holds: its CPU backend repacks the linear layers' weights."""
+    total, squares = 0.0, 0.0
+    for t in tensors:
+        t = t.detach().to(torch.float64)
+        total += float(t.sum())
+        squares += float(t.square().sum())
+    return total, squares
 
 
 class WeightSyncExtension:

@@ -68,12 +68,33 @@ def _wait_for_checkpoint(proc: subprocess.Popen, tmp_path: Path, timeout: float 
         time.sleep(0.1)
 
 
-def _kill_role_at_step(proc: subprocess.Popen, tmp_path: Path, step: int, role: str, after_s: float = 0.0) -> None:
-    """SIGKILL the role's one process once the run has logged ``step`` (and ``after_s`` more)."""
+def _kill_role_at_step(proc: subprocess.Popen, tmp_path: Path, step: int, role: str, marks: Path | None = None) -> None:
+    """SIGKILL the role's one process once the run has logged ``step`` and, with ``marks`` (the
+    slow environment's), once an environment step is in flight: trajectories are between turns."""
     _wait_for_step(proc, tmp_path, step)
-    time.sleep(after_s)
+    if marks is not None:
+        _wait_for_env_step(proc, marks)
     (victim,) = role_processes(proc.pid, role)
     victim.kill()
+
+
+def _wait_for_env_step(proc: subprocess.Popen, marks: Path, timeout: float = 60) -> None:
+    """Until the slow environment has a step in flight (``slow_env.steps_in_flight``)."""
+    from slow_env import steps_in_flight
+
+    deadline = time.monotonic() + timeout
+    while not steps_in_flight(marks):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, out, err = _finish(proc, timeout=10)
+            pytest.fail(f"no environment step in flight\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
+        time.sleep(0.01)
+
+
+def _slow_env(tmp_path: Path) -> tuple[list[str], Path]:
+    """Overrides for the slow environment (0.25 s steps) marking its steps in flight, and where."""
+    marks = tmp_path / "env_steps"
+    return ["env.cls=tests.integration.slow_env:SlowReverseWithFeedback", f"env.options.marks={marks}"], marks
 
 
 def _every_step(proc: subprocess.Popen, tmp_path: Path) -> list[dict]:
@@ -114,11 +135,10 @@ def test_multiturn_run_outlives_its_env_and_policy_replicas_dying_mid_trajectory
     env replica is played again with its group (``groups/regenerated``), never counted as the
     environment's failure. The run completes every step with every group accounted for."""
     # Env steps of 0.25 s keep the trajectories between turns when the kills land (see slow_env).
-    slow_env = "env.cls=tests.integration.slow_env:SlowReverseWithFeedback"
-    proc = start_app(tmp_path, slow_env, steps=STEPS, config="configs/multiturn_tiny.yaml")
+    slow_env, marks = _slow_env(tmp_path)
+    proc = start_app(tmp_path, *slow_env, steps=STEPS, config="configs/multiturn_tiny.yaml")
     for step, role in ((2, "env"), (4, "policy")):
-        # 0.5 s into the next step: its groups' trajectories are playing their turns.
-        _kill_role_at_step(proc, tmp_path, step, role, after_s=0.5)
+        _kill_role_at_step(proc, tmp_path, step, role, marks)  # while an env step is in flight
     rows = _every_step(proc, tmp_path)
     last = rows[-1]
     assert last["restarts/env"] == 1 and last["restarts/policy"] == 1, last
@@ -135,14 +155,14 @@ def test_with_rollout_workers_the_run_outlives_a_worker_and_a_policy_replica_dyi
     worker during step 3 and of the policy during step 5: the worker restarts and attaches
     again, the restarted policy reaches the workers in a new view, and the run completes every
     step with every group accounted for."""
-    slow_env = "env.cls=tests.integration.slow_env:SlowReverseWithFeedback"
-    proc = start_app(tmp_path, slow_env, "rollout.workers=2", steps=STEPS, config="configs/multiturn_tiny.yaml")
+    slow_env, marks = _slow_env(tmp_path)
+    proc = start_app(tmp_path, *slow_env, "rollout.workers=2", steps=STEPS, config="configs/multiturn_tiny.yaml")
     _wait_for_step(proc, tmp_path, 2)
-    time.sleep(0.5)
+    _wait_for_env_step(proc, marks)  # the workers' trajectories are between turns
     workers = role_processes(proc.pid, "rollout")
     assert len(workers) == 2, workers
     workers[0].kill()
-    _kill_role_at_step(proc, tmp_path, 4, "policy", after_s=0.5)
+    _kill_role_at_step(proc, tmp_path, 4, "policy", marks)
     rows = _every_step(proc, tmp_path)
     last = rows[-1]
     assert last["restarts/rollout"] == 1 and last["restarts/policy"] == 1, last
@@ -201,31 +221,90 @@ def test_a_role_with_no_healthy_replica_for_too_long_stops_the_run(tmp_path: Pat
     assert "role 'reference' failed: no healthy replica for 3s (faults.max_unhealthy_s=3)" in err, err[-3000:]
 
 
+PROBE_GAP = 1e-3
+"""Largest |policy - trainer| logprob of the restore's probe tokens for a replica that serves the
+trainer's weights: float32 vLLM against float32 torch differ by ~1e-6 here; the weights one
+training step earlier or later move them by ~1e-2."""
+
+
+def _restored_weights_served(rows: list[dict], tmp_path: Path, restored: int, replicas: int) -> None:
+    """The row after the restore says the trainer holds checkpoint ``restored``'s weights and
+    that every policy replica serves them at its version, each measured where it lives; and
+    that a replica served a newer version before (so a missing resync would have shown)."""
+    import torch
+
+    from forge.checkpoint import read_checkpoint
+    from forge.generation.weight_sync import TIED_EMBEDDING, TIED_HEAD, weights_fingerprint
+    from tests.numerics import assert_close_to_scale
+
+    model, _, training = read_checkpoint(tmp_path / "out" / "checkpoints" / f"step_{restored:08d}")
+    if TIED_HEAD in model and torch.equal(model[TIED_HEAD], model[TIED_EMBEDDING]):
+        del model[TIED_HEAD]  # the trainer publishes a tied head once, as the embedding
+    want = weights_fingerprint(model.values())
+    row = rows[restored]  # step restored + 1: the first one trained after the restore
+    assert row["weight_sync/restore/rolled_back_from"] > training.policy_version, row
+    got = [row["weight_sync/restore/trainer_sum"], row["weight_sync/restore/trainer_sumsq"]]
+    # float64 sums of the same float32 values in other orders; one training step moves them ~1e-4.
+    assert_close_to_scale(got, list(want), rel=1e-9, scale=want[1], what="the restored trainer's weights fingerprint")
+    for i in range(replicas):
+        assert row[f"weight_sync/restore/policy{i}_version"] == training.policy_version, row
+        assert row[f"weight_sync/restore/policy{i}_logprob_gap"] <= PROBE_GAP, row  # NaN (no token) fails too
+    assert f"weight_sync/restore/policy{replicas}_version" not in row, row
+
+
 @pytest.mark.parametrize("procs", [1, 2])
 def test_killed_trainer_is_replaced_from_its_checkpoint_and_the_run_completes(tmp_path: Path, procs: int) -> None:
     """SIGKILL of the trainer's process (of one rank of two) after step 3, checkpoints every 2
-    steps: a new mesh of the same shape loads the step-2 checkpoint, the policy gets its weights,
-    steps 3 onward are trained again and logged once, and the run completes every step with exit
-    0, every group accounted for."""
-    proc = _app(tmp_path, "trainer.checkpoint_every=2", f"trainer.procs={procs}")
+    steps: a new mesh of the same shape loads the step-2 checkpoint, the trainer and every policy
+    replica (two with one rank) then hold its weights, steps 3 onward are trained again and logged
+    once, and the run completes every step with exit 0, every group accounted for. With two ranks
+    (faults.trainer_max_restarts=2) a rank of the new mesh is killed too as soon as it is up, while
+    it restores: that death counts, and a third mesh restores the checkpoint."""
+    replicas, deaths = (2, 1) if procs == 1 else (1, 2)
+    proc = _app(
+        tmp_path,
+        "trainer.checkpoint_every=2",
+        f"trainer.procs={procs}",
+        f"policy.num_replicas={replicas}",
+        f"faults.trainer_max_restarts={deaths}",
+        f"trainer.keep_checkpoints={STEPS}",  # the restored one is still there at the end
+    )
     _wait_for_step(proc, tmp_path, 3)
     _wait_for_checkpoint(proc, tmp_path)  # written in the background: it may still be on its way
     ranks = role_processes(proc.pid, "trainer")
     assert len(ranks) == procs
     ranks[-1].kill()
+    if deaths == 2:
+        _kill_new_trainer_process(proc, {rank.pid for rank in ranks})
     code, out, err = _finish(proc)
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no step twice, none missing
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))  # rewound with the step
-    assert rows[-1]["restarts/trainer"] == 1 and rows[0]["restarts/trainer"] == 0
+    assert rows[-1]["restarts/trainer"] == deaths and rows[0]["restarts/trainer"] == 0, rows[-1]
     # The newest complete checkpoint when it died: step 2's, or a later one if the run got that far first.
-    restored = re.search(r"replacing it from step_(\d+)", err)
-    assert restored is not None and int(restored.group(1)) in (2, 4, 6), err[-3000:]
+    restored = re.findall(r"replacing it from step_(\d+) \(restart (\d) of", err)
+    assert [int(n) for _, n in restored] == list(range(1, deaths + 1)), err[-3000:]
+    assert int(restored[-1][0]) in (2, 4, 6) and err.count("the trainer is back at step") == 1, err[-3000:]
+    if deaths == 2:  # the second death came while the first replacement restored, not after it was back
+        assert re.search(r"\(while restoring step_\d+\)\); replacing it from step_\d+ \(restart 2 of 2\)", err)
+    _restored_weights_served(rows, tmp_path, int(restored[-1][0]), replicas)
     last = rows[-1]
     assert last["groups/lost"] == 0 and last["groups/unaccounted"] == 0 and last["groups/duplicates"] == 0, last
     # Steps 3 (and a step cut short by the kill, if any) took groups twice; none was lost.
     assert last["groups/trained"] >= STEPS * 4, last
+
+
+def _kill_new_trainer_process(proc: subprocess.Popen, old: set[int], timeout: float = 120) -> None:
+    """SIGKILL the first process of the trainer's replacement as soon as it is up (mid-restore)."""
+    deadline = time.monotonic() + timeout
+    while not (new := [p for p in role_processes(proc.pid, "trainer") if p.pid not in old]):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, out, err = _finish(proc, timeout=10)
+            pytest.fail(f"no new trainer process\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
+        time.sleep(0.05)
+    new[0].kill()
 
 
 @pytest.mark.slow  # ~45 s; the replacement itself is in the default suite (the SIGKILL tests above)

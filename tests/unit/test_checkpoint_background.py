@@ -13,7 +13,15 @@ from pathlib import Path
 
 import torch
 
-from forge.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, read_training_state, start_checkpoint
+from forge.checkpoint import (
+    TrainingState,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint,
+    read_training_state,
+    save_checkpoint,
+    start_checkpoint,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +52,7 @@ def test_a_background_checkpoint_holds_the_state_at_the_call_and_is_in_place_whe
 
 
 _KILLED_MID_WRITE = """
-import os, signal, sys, torch
+import os, signal, sys, time, torch
 from forge.checkpoint import TrainingState, save_checkpoint, start_checkpoint
 root = sys.argv[1]
 torch.manual_seed(0)
@@ -53,17 +61,23 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model(torch.ones(2, 1024)).sum().backward()
 opt.step()
 save_checkpoint(root, model, opt, TrainingState(1, 1))
-start_checkpoint(root, model, opt, TrainingState(2, 2))
-os.kill(os.getpid(), signal.SIGKILL)  # while the writer thread has its files open
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)  # step 2's weights differ from step 1's
+pending = start_checkpoint(root, model, opt, TrainingState(2, 2))
+while not any(f.suffix == ".distcp" for f in pending.staging.iterdir()):
+    time.sleep(0.001)  # until the writer thread has a shard file open
+os.kill(os.getpid(), signal.SIGKILL)  # mid-write: DCP's .metadata comes after the shards
 """
 
 
 def test_a_process_killed_mid_write_leaves_the_previous_checkpoint_and_names_the_half_written_one(
     tmp_path: Path, caplog
 ) -> None:
-    """SIGKILL right after a background checkpoint starts: step 2's folder never got its final
-    name (it is still the temporary one, so the kill landed mid-write), step 1 is the newest
-    complete checkpoint and loads, and the half-written folder is named in a warning."""
+    """SIGKILL once a background checkpoint's shard file is being written: step 2's folder never
+    got its final name (it is still the temporary one, holding a shard and no metadata: the kill
+    landed mid-write), step 1 is the newest complete checkpoint and a load restores its weights,
+    the half-written folder is named in a warning, and the next save removes it."""
     run = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_KILLED_MID_WRITE), str(tmp_path)],
         cwd=REPO,
@@ -80,3 +94,12 @@ def test_a_process_killed_mid_write_leaves_the_previous_checkpoint_and_names_the
     assert newest == tmp_path / "step_00000001"
     assert partial in caplog.text and "stopped before it was complete" in caplog.text
     assert read_training_state(newest).step == 1
+    written = {f.name for f in (tmp_path / partial).iterdir()}
+    assert any(n.endswith(".distcp") for n in written) and ".metadata" not in written, written
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert load_checkpoint(newest, model, opt).step == 1
+    step1, _, _ = read_checkpoint(newest)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in step1.items())
+    save_checkpoint(tmp_path, model, opt, TrainingState(3, 3))  # the resumed run's next checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000003"]
