@@ -37,3 +37,27 @@ async def test_a_sought_dataset_continues_the_formatted_epochs_where_the_first_l
     finally:
         await first.stop()
         await second.stop()
+
+
+async def test_seek_restarts_a_stream_that_is_read_up_to_the_position() -> None:
+    """The toy stream has no O(1) seek: a dataset that already handed out prompts, sought to 3,
+    restarts its stream and reads it up to there, so it hands out the first one's 4th and 5th."""
+    from monarch.actor import this_proc
+
+    from forge.actors.dataset import Dataset, DatasetConfig
+
+    config = DatasetConfig(source="toy", seed=5, prompt_template="Q: {text}")
+    first = this_proc().spawn("dataset_toy_first", Dataset, config)
+    second = this_proc().spawn("dataset_toy_second", Dataset, config)
+    try:
+        await first.setup.call_one()
+        await second.setup.call_one()
+        prompts = await first.sample_many.call_one(5)
+        await second.sample_many.call_one(2)
+        await second.seek.call_one(3)
+        assert [(p.prompt_id, p.text) for p in await second.sample_many.call_one(2)] == [
+            (p.prompt_id, p.text) for p in prompts[3:]
+        ]
+    finally:
+        await first.stop()
+        await second.stop()
