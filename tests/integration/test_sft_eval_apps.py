@@ -123,8 +123,6 @@ def test_a_resumed_sft_run_repeats_the_uninterrupted_runs_steps_on_the_same_data
     for name in ("loss", "grad_norm"):
         # Two ranks unpacked vs one rank packed: the same sums in another order.
         assert_close_to_scale([r[name] for r in rows[2:4]], [r[name] for r in first[2:4]], 1e-4, what=name)
-    # Batches of other records would differ by far more: the per-batch losses of the run spread.
-    assert len({round(r["loss"], 3) for r in first}) == 4
     evals = [r for r in rows if "eval/loss" in r]
     assert [r["eval/step"] for r in evals] == [3, 6]  # every 3 steps and the run's last
     assert_close_to_scale(evals[0]["eval/loss"], first[2]["eval/loss"], 1e-4, what="eval/loss at step 3")
