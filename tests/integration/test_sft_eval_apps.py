@@ -8,6 +8,7 @@ and GRPO apps. The figures are checked against what transformers computes from t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -140,16 +141,16 @@ def test_sft_evaluates_the_weights_of_the_step_it_reports(sft_runs: SFTRuns) -> 
     assert [(r["eval/policy_version"], r["eval/policy_version_max"]) for r in evals] == [
         (r["eval/step"], r["eval/step"]) for r in evals
     ]
-    held_out = _held_out(sft_runs.root)[:LOSS_EXAMPLES]
-    assert_close_to_scale(evals[-1]["eval/loss"], _nll(sft_runs.model, held_out), 1e-4, what="eval/loss at step 6")
+    assert_close_to_scale(
+        evals[-1]["eval/loss"], _nll(sft_runs.root, "sft/final_model"), 1e-4, what="eval/loss at step 6"
+    )
 
 
 def test_sft_lowers_the_held_out_loss_and_cannot_add_yet(sft_runs: SFTRuns) -> None:
     """The answers' loss on a fixed held-out batch, recomputed here from the initial and the final
     model, falls by at least GAIN_FLOOR in 6 steps (about 1.4 nats in runs); a model of 6 steps
     cannot add: its held-out greedy accuracy stays at or below ACCURACY_CEILING (0 in runs)."""
-    held_out = _held_out(sft_runs.root)[:LOSS_EXAMPLES]
-    before, after = _nll(sft_runs.root / "tiny", held_out), _nll(sft_runs.model, held_out)
+    before, after = _nll(sft_runs.root, "tiny"), _nll(sft_runs.root, "sft/final_model")
     assert before - after >= GAIN_FLOOR, (before, after)
     evals = [r for r in sft_runs.first + sft_runs.rows if "eval/accuracy" in r]
     assert evals and all(r["eval/accuracy"] <= ACCURACY_CEILING and r["eval/prompts"] == 40 for r in evals)
@@ -216,16 +217,21 @@ def _held_out(root: Path) -> list[Prompt]:
     return load_prompts(DataSource(path=str(root / "data"), split="test"))
 
 
-def _nll(model_dir: Path, prompts: list[Prompt]) -> float:
-    """The definition: -mean over every answer token (the EOS that ends it included) of
-    log_softmax(logits) at that token, in transformers, the prompts formatted as SFT formats them."""
+@functools.cache
+def _nll(root: Path, name: str) -> float:
+    """The held-out loss of the model ``root / name`` (once per model: two tests ask for it) by its
+    definition: -mean over every answer token of the first LOSS_EXAMPLES held-out records (the EOS
+    that ends it included) of log_softmax(logits) at that token, in transformers, the prompts
+    formatted as SFT formats them."""
     from transformers import AutoModelForCausalLM
 
+    model_dir = root / name
+    prompts = _held_out(root)
     fmt = PromptFormat.from_model(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     total, count = 0.0, 0
     with torch.no_grad():
-        for p in prompts:
+        for p in prompts[:LOSS_EXAMPLES]:
             e = fmt.sft_example(p.text, p.answer)
             ids = torch.cat([e.prompt_ids, e.answer_ids])[None]
             logprobs = model(ids).logits[0, :-1].log_softmax(-1)
