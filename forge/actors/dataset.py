@@ -78,7 +78,8 @@ def prompt_stream(config: DatasetConfig) -> Iterator[Prompt]:
 
 
 class _Formatted:
-    """A prompt stream with each prompt formatted; keeps the inner stream's O(1) ``seek``."""
+    """A prompt stream with each prompt formatted; ``_seek`` reaches through it to the inner
+    stream's O(1) ``seek``, where that has one."""
 
     def __init__(self, inner: Iterator[Prompt], fn: Any) -> None:
         self.inner, self.fn = inner, fn
@@ -89,12 +90,11 @@ class _Formatted:
     def __next__(self) -> Prompt:
         return self.fn(next(self.inner))
 
-    def seek(self, position: int) -> None:
-        _seek(self.inner, position)
-
 
 def _seek(stream: Iterator[Prompt], position: int) -> bool:
     """Move ``stream`` to ``position`` in O(1) if it can; False if it must be read up to there."""
+    if isinstance(stream, _Formatted):  # as seekable as the stream it formats
+        return _seek(stream.inner, position)
     if hasattr(stream, "seek"):
         stream.seek(position)
         return True

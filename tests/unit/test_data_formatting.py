@@ -47,3 +47,16 @@ def test_a_checkpoint_with_another_tokenizer_than_the_config_expects_is_refused(
     check_tokenizer(plain)
     with pytest.raises(ValueError, match=rf"{plain}.*another tokenizer than model.tokenizer '{chat}'.*tokens vs"):
         check_tokenizer(plain, str(chat))
+
+
+def test_a_tokenizer_that_adds_a_bos_gets_it_on_the_prompt_as_vllm_encodes_it_never_in_the_answer():
+    """A tokenizer whose encoding starts with <bos> (Llama's do; vLLM encodes a string prompt with
+    it): the SFT prompt ids start with it, exactly as vLLM's, and the answer ids hold none."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = build_char_tokenizer()
+    tok._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    example = PromptFormat(tok).sft_example("1+2=", "3")
+    assert example.prompt_ids.tolist() == tok("1+2=", add_special_tokens=True).input_ids
+    assert example.prompt_ids[0] == tok.bos_token_id
+    assert example.answer_ids.tolist() == [tok.convert_tokens_to_ids("3"), tok.eos_token_id]

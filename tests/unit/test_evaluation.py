@@ -57,3 +57,58 @@ def test_greedy_only_reports_accuracy_and_the_greedy_reward():
 def test_bad_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EvalSettings(**kwargs)
+
+
+def _records(folder, split: str, n: int) -> None:
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = (json.dumps({"question": f"{split}{i}+1=", "answer": f"{i + 1}"}) for i in range(n))
+    (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_the_held_out_records_are_the_eval_split_of_the_run_data_unless_eval_data_names_its_own(tmp_path):
+    """An empty eval.data.path takes the run data's files and keys with the eval split (not the
+    training split); eval.data.path, when set, is read as it is."""
+    from apps.common.config import EvalData, EvalSamplingSection, RecordsSection
+    from apps.common.evaluation import eval_source
+
+    data = RecordsSection(path=str(tmp_path / "run"), split="train", question_key="q", answer_key="a")
+    inherited = eval_source(EvalSamplingSection(), data)
+    assert (inherited.path, inherited.split, inherited.question_key, inherited.answer_key) == (
+        data.path,
+        "test",
+        "q",
+        "a",
+    )
+    own = eval_source(EvalSamplingSection(data=EvalData(path=str(tmp_path / "other.jsonl"), split="train")), data)
+    assert (own.path, own.split, own.question_key) == (str(tmp_path / "other.jsonl"), "train", "question")
+    with pytest.raises(ValueError, match="eval.data.path is required"):
+        eval_source(EvalSamplingSection(), None)
+
+
+def test_the_eval_plan_prompts_as_training_does_and_its_own_settings_win(tmp_path):
+    """The first max_prompts held-out records, through the prompt template and the chat template
+    (as SFT and GRPO format them), answers untouched; eval.temperature, eval.max_tokens and
+    eval.reward win over the run's, which fill in where the section leaves them at 0 or empty."""
+    from apps.common.config import EvalSamplingSection, RecordsSection
+    from apps.common.evaluation import EvalPlan
+    from forge.data import PromptFormat
+    from forge.models import make_tiny_model
+    from forge.models.tiny import LAYOUTS
+
+    model = str(make_tiny_model(tmp_path / "chat", num_layers=1, **LAYOUTS["chat"]))
+    _records(tmp_path / "data", "train", 4)
+    _records(tmp_path / "data", "test", 5)
+    data = RecordsSection(path=str(tmp_path / "data"), prompt_template="Q: {text}")
+    section = EvalSamplingSection(max_prompts=3, samples=2, temperature=0.5, max_tokens=7, reward={"exact_match": 1})
+    plan = EvalPlan.from_config(section, data, model, temperature=1.0, max_tokens=4, reward_fns={"gsm8k": 1})
+    fmt = PromptFormat.from_model(model, "Q: {text}")
+    assert [(p.text, p.answer) for p in plan.prompts] == [(fmt.prompt(f"test{i}+1="), f"{i + 1}") for i in range(3)]
+    assert plan.prompts[0].text.startswith("<|im_start|>user\nQ: test0+1=")
+    s = plan.settings
+    assert (s.samples, s.temperature, s.max_tokens) == (2, 0.5, 7) and list(plan.score.fns) == ["exact_match"]
+    defaults = EvalSamplingSection(samples=2)
+    plan = EvalPlan.from_config(defaults, data, model, temperature=1.0, max_tokens=4, reward_fns={"gsm8k": 1})
+    s = plan.settings
+    assert (s.temperature, s.max_tokens, len(plan.prompts)) == (1.0, 4, 5) and list(plan.score.fns) == ["gsm8k"]
