@@ -260,29 +260,6 @@ async def test_reward_actor_scores_whole_groups_and_isolates_failures_within_the
         await actor.stop()
 
 
-# ------------------------------------------------------------------ dataset
-async def test_dataset_seek_continues_the_stream_where_a_position_left_it():
-    """A fresh dataset sought to position 3 hands out the 4th prompt next, as the first did."""
-    from monarch.actor import this_proc
-
-    from forge.actors.dataset import Dataset, DatasetConfig
-
-    config = DatasetConfig(source="toy", seed=7)
-    first = this_proc().spawn("dataset_first", Dataset, config)
-    second = this_proc().spawn("dataset_second", Dataset, config)
-    try:
-        await first.setup.call_one()
-        await second.setup.call_one()
-        prompts = await first.sample_many.call_one(5)
-        assert await first.position.call_one() == 5
-        await second.seek.call_one(3)
-        assert await second.position.call_one() == 3
-        assert [p.prompt_id for p in await second.sample_many.call_one(2)] == [p.prompt_id for p in prompts[3:]]
-    finally:
-        await first.stop()
-        await second.stop()
-
-
 # ------------------------------------------------------------------ trainer
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
