@@ -349,8 +349,9 @@ def test_trainer_death_stops_the_run_and_says_how_to_resume(tmp_path: Path) -> N
 class SlowPolicy(ForgeActor):
     """A policy stand-in whose weight load takes ``load_s``: long enough to kill it midway."""
 
-    def __init__(self, load_s: float) -> None:
+    def __init__(self, load_s: float, marks: str) -> None:
         self.load_s = load_s
+        self.marks = Path(marks)
         self.served = 0
 
     @endpoint
@@ -359,6 +360,7 @@ class SlowPolicy(ForgeActor):
 
     @endpoint
     async def update_weights(self, weights: dict, version: int) -> int:
+        (self.marks / f"loading-{os.getpid()}").touch()  # the test kills once both loads began
         await asyncio.sleep(self.load_s)
         self.served = version
         return version
@@ -373,15 +375,22 @@ async def test_weight_sync_to_a_replica_that_dies_midway_neither_fails_nor_hangs
     replica has loaded them, and the restarted replica loads them (resync) before serving."""
     from apps.common.weights import PolicyWeights
 
+    marks = tmp_path / "marks"
+    marks.mkdir()
     # The restart waits 3 s (backoff): a push that waited for the dead replica would return after it.
-    svc = await SlowPolicy.options(name="policy", num_replicas=2, restart_backoff_s=3.0, max_restarts=2).as_service(1.5)
+    svc = await SlowPolicy.options(name="policy", num_replicas=2, restart_backoff_s=3.0, max_restarts=2).as_service(
+        1.5, str(marks)
+    )
     try:
         weights = PolicyWeights(None, svc, "message", str(tmp_path), resync_timeout_s=300.0)
         svc.set_resync(weights.resync)
         replicas = svc.service.replicas
         victim = await replicas[0].call("pid", (), {}, 30.0)
         push = asyncio.create_task(weights.push({"w": 1}, 7))
-        await asyncio.sleep(0.5)  # both loads are in flight
+        deadline = time.monotonic() + 60
+        while len(list(marks.iterdir())) < 2:  # until both loads are in flight
+            assert time.monotonic() < deadline and not push.done(), "the push never reached both replicas"
+            await asyncio.sleep(0.02)
         os.kill(victim, signal.SIGKILL)
         assert await asyncio.wait_for(push, 60.0) == 7
         assert replicas[0].restarts == 0, "the push waited for the dead replica's restart"
