@@ -50,7 +50,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from forge import checkpoint
-from forge.actors.trainer_batches import chunks, counts, forward_token_counts, token_loss_mask
+from forge.actors.trainer_batches import (
+    batch_logprobs,
+    chunks,
+    counts,
+    forward_token_counts,
+    pair_logprobs,
+    token_loss_mask,
+)
 from forge.actors.trainer_config import GRPOLossSettings, OptimizerSettings, TrainerConfig, TrainerSettings
 from forge.controller import ForgeActor, endpoint
 from forge.distributed import (
@@ -66,7 +73,7 @@ from forge.distributed import (
 )
 from forge.losses import grpo_loss, sft_loss, trainable_lengths
 from forge.losses.grpo import LOSS_NORMALISERS
-from forge.models import PaddedBatch, pack_right_padded, padded_token_logprobs
+from forge.models import PaddedBatch, pack_right_padded
 from forge.models.export import TIED_HEAD, write_hf_folder
 from forge.types import Episode, EpisodeBatch, SFTBatch, SFTExample
 
@@ -260,16 +267,7 @@ class Trainer(ForgeActor):
         per-token inputs are laid out like the logprobs."""
         cfg = self.config
         mask = batch.response_mask.to(self.device)  # [B, L-1]
-        logprobs = padded_token_logprobs(
-            self.model,
-            batch.input_ids.to(self.device),
-            batch.attention_mask.to(self.device),
-            cfg.temperature,
-            positions=mask,  # logits of response tokens only, in chunks
-            chunk_tokens=cfg.logprob_chunk_tokens,
-            pack=cfg.pack_sequences,
-            row_tokens=cfg.pack_row_tokens,
-        )  # [B, L-1]
+        logprobs = batch_logprobs(self.model, batch, mask, self.device, cfg)  # [B, L-1]
         # Outside the mask, behaviour and reference equal the current logprobs (ratio 1, KL 0), so
         # no pad position can overflow exp() and poison the masked sums with inf * 0.
         behaviour = logprobs.detach().clone()
@@ -320,16 +318,7 @@ class Trainer(ForgeActor):
         distribution, whatever the sampler's temperature)."""
         cfg = self.config
         mask = batch.response_mask.to(self.device)
-        logprobs = padded_token_logprobs(
-            self.model,
-            batch.input_ids.to(self.device),
-            batch.attention_mask.to(self.device),
-            1.0,
-            positions=mask,
-            chunk_tokens=cfg.logprob_chunk_tokens,
-            pack=cfg.pack_sequences,
-            row_tokens=cfg.pack_row_tokens,
-        )
+        logprobs = batch_logprobs(self.model, batch, mask, self.device, cfg, temperature=1.0)
         return sft_loss(logprobs, batch.loss_mask.to(self.device))
 
     @endpoint
@@ -347,29 +336,8 @@ class Trainer(ForgeActor):
         """Per-token logprobs of each ``(prompt_ids, response_ids)`` under the current weights at
         the sampler's temperature: what a policy replica serving them gives (``Policy.probe``).
         Every rank scores every pair (the forward's collectives pair up)."""
-        cfg = self.config
-        batch = pack_right_padded(
-            [torch.tensor(p, dtype=torch.long) for p, _ in pairs],
-            [torch.tensor(r, dtype=torch.long) for _, r in pairs],
-            cfg.pad_id,
-        )
-        mask = batch.response_mask.to(self.device)
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                rows = padded_token_logprobs(
-                    self.model,
-                    batch.input_ids.to(self.device),
-                    batch.attention_mask.to(self.device),
-                    cfg.temperature,
-                    positions=mask,
-                    chunk_tokens=cfg.logprob_chunk_tokens,
-                    pack=cfg.pack_sequences,
-                    row_tokens=cfg.pack_row_tokens,
-                )
-        finally:
-            self.model.train()
-        return [row[m].float().cpu().tolist() for row, m in zip(rows, mask)]
+        tensors = [(torch.tensor(p, dtype=torch.long), torch.tensor(r, dtype=torch.long)) for p, r in pairs]
+        return [row.float().tolist() for row in pair_logprobs(self.model, tensors, self.device, self.config)]
 
     @endpoint
     async def weights_fingerprint(self) -> tuple[float, float] | None:

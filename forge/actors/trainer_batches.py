@@ -6,14 +6,55 @@ these pure helpers compute those counts and lay out per-episode masks, apart fro
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from forge.models import PaddedBatch, forward_tokens
+from forge.models import PaddedBatch, forward_tokens, pack_right_padded, padded_token_logprobs
 from forge.types import Episode
 
-__all__ = ["chunks", "counts", "forward_token_counts", "token_loss_mask"]
+if TYPE_CHECKING:
+    from forge.actors.trainer_config import TrainerConfig
+
+__all__ = ["batch_logprobs", "chunks", "counts", "forward_token_counts", "pair_logprobs", "token_loss_mask"]
+
+
+def batch_logprobs(
+    model: torch.nn.Module,
+    batch: PaddedBatch,
+    mask: torch.Tensor,
+    device: torch.device,
+    cfg: TrainerConfig,
+    temperature: float | None = None,
+) -> torch.Tensor:
+    """``model``'s logprobs of a trainer batch's ``mask`` positions, ``[B, L-1]``, with the trainer's
+    chunking and packing, at ``temperature`` (the sampler's, ``cfg.temperature``, by default)."""
+    return padded_token_logprobs(
+        model,
+        batch.input_ids.to(device),
+        batch.attention_mask.to(device),
+        cfg.temperature if temperature is None else temperature,
+        positions=mask,  # logits of response tokens only, in chunks
+        chunk_tokens=cfg.logprob_chunk_tokens,
+        pack=cfg.pack_sequences,
+        row_tokens=cfg.pack_row_tokens,
+    )
+
+
+def pair_logprobs(
+    model: torch.nn.Module, pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, cfg: TrainerConfig
+) -> list[torch.Tensor]:
+    """``model``'s per-token logprobs of each ``(prompt_ids, response_ids)`` at the sampler's
+    temperature, in eval mode (no dropout): one ``[T]`` each, on the CPU."""
+    batch = pack_right_padded([p for p, _ in pairs], [r for _, r in pairs], cfg.pad_id)
+    mask = batch.response_mask.to(device)
+    model.eval()
+    try:
+        with torch.no_grad():
+            rows = batch_logprobs(model, batch, mask, device, cfg)
+    finally:
+        model.train()
+    return [row[m].cpu() for row, m in zip(rows, mask)]
 
 
 def token_loss_mask(episodes: list[Episode], response_mask: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from forge.actors.trainer_batches import batch_logprobs, pair_logprobs
 from forge.distributed import SpmdRank, full_state_dict
-from forge.models import PaddedBatch, pack_right_padded, padded_token_logprobs
+from forge.models import PaddedBatch
 from forge.models.lora import LoraSettings, adapter_tensors, export_merged, write_adapter_folder
 from forge.staging import staged_folder
 
@@ -116,29 +117,14 @@ def base_logprobs(
     model: torch.nn.Module, batch: PaddedBatch, mask: torch.Tensor, device: torch.device, cfg: TrainerConfig
 ) -> torch.Tensor:
     """The frozen base's logprobs of a trainer batch at the sampler's temperature, ``[B, L-1]``
-    like the loss's (``padded_token_logprobs`` with the trainer's chunking and packing)."""
+    like the loss's (``batch_logprobs`` with the adapter off)."""
     with base_model_off(model):
-        return padded_token_logprobs(
-            model,
-            batch.input_ids.to(device),
-            batch.attention_mask.to(device),
-            cfg.temperature,
-            positions=mask,
-            chunk_tokens=cfg.logprob_chunk_tokens,
-            pack=cfg.pack_sequences,
-            row_tokens=cfg.pack_row_tokens,
-        )
+        return batch_logprobs(model, batch, mask, device, cfg)
 
 
 def pair_base_logprobs(
     model: torch.nn.Module, pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, cfg: TrainerConfig
 ) -> list[torch.Tensor]:
     """The frozen base's per-token logprobs of each ``(prompt_ids, response_ids)``: one ``[T]`` each."""
-    batch = pack_right_padded([p for p, _ in pairs], [r for _, r in pairs], cfg.pad_id)
-    mask = batch.response_mask.to(device)
-    model.eval()  # no dropout in the adapter's path (it is off) or anywhere else
-    try:
-        rows = base_logprobs(model, batch, mask, device, cfg)
-    finally:
-        model.train()
-    return [row[m].cpu() for row, m in zip(rows, mask)]
+    with base_model_off(model):  # no dropout in the adapter's path (it is off) or anywhere else: eval mode
+        return pair_logprobs(model, pairs, device, cfg)
