@@ -46,6 +46,7 @@ from forge.controller import ForgeActor, ReplicaFailed, RequestTimeout
 from forge.controller.errors import describe
 from forge.controller.hosts import NotEnoughHosts
 from forge.distributed import call_spmd
+from forge.observability import record_metric
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
@@ -172,8 +173,6 @@ class TrainerRestarts:
         between the logprobs of a probe it sampled and the trainer's of the same tokens (near 0:
         it serves the trainer's weights). ``rolled_back_from``: the newest version a replica
         served before (the dead trainer's). A replica at another version is named in a warning."""
-        from forge.observability import record_metric
-
         cfg, roles = self.cfg, self.roles
         record_metric("weight_sync/restore/rolled_back_from", rolled_back_from, "last")
         fingerprint = call_spmd(roles.trainer.weights_fingerprint, timeout_s=cfg.faults.health_timeout_s)
