@@ -24,6 +24,7 @@ from app_runs import finish_app, start_app
 
 from apps.grpo.faults import role_processes
 from forge.controller import ForgeActor, endpoint
+from tests.unit.controller.waits import until
 
 pytest.importorskip("vllm")
 
@@ -387,18 +388,14 @@ async def test_weight_sync_to_a_replica_that_dies_midway_neither_fails_nor_hangs
         replicas = svc.service.replicas
         victim = await replicas[0].call("pid", (), {}, 30.0)
         push = asyncio.create_task(weights.push({"w": 1}, 7))
-        deadline = time.monotonic() + 60
-        while len(list(marks.iterdir())) < 2:  # until both loads are in flight
-            assert time.monotonic() < deadline and not push.done(), "the push never reached both replicas"
-            await asyncio.sleep(0.02)
+        loading = lambda: len(list(marks.iterdir()))  # noqa: E731
+        await until(lambda: loading() >= 2 or push.done(), "both replicas to begin loading", timeout=60)
+        assert loading() >= 2, "the push ended before it reached both replicas"
         os.kill(victim, signal.SIGKILL)
         assert await asyncio.wait_for(push, 60.0) == 7
         assert replicas[0].restarts == 0, "the push waited for the dead replica's restart"
         assert await replicas[1].call("version", (), {}, 30.0) == 7
-        deadline = time.monotonic() + 120
-        while not (replicas[0].accepting and replicas[0].restarts == 1):
-            assert time.monotonic() < deadline, f"replica 0 never came back: {replicas[0].state}"
-            await asyncio.sleep(0.1)
+        await until(lambda: replicas[0].accepting and replicas[0].restarts == 1, "replica 0 to come back", 120, 0.1)
         assert await replicas[0].call("version", (), {}, 30.0) == 7, "the restarted replica took traffic unsynced"
     finally:
         await svc.shutdown()
