@@ -28,6 +28,7 @@ each batched endpoint. The contract, clause by clause (each has a test):
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
@@ -282,25 +283,30 @@ class Batcher:
         self._free_slots -= 1
         task = asyncio.get_running_loop().create_task(self._run(live, pending_result), name=f"{self.name}-batch")
         self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        # The cleanup is a done-callback, not a ``finally`` in ``_run``: a task cancelled before its
+        # first step (closed in the tick it started) never enters ``_run``, and its callers would wait
+        # forever.
+        task.add_done_callback(functools.partial(self._batch_done, live, pending_result))
 
     async def _run(self, live: list[Pending], pending_result: Awaitable[Sequence[Any]]) -> None:
-        """Wait for one batch's results and give each caller its own; then free the slot."""
+        """Wait for one batch's results and give each caller its own."""
         try:
             results = await pending_result
-        except asyncio.CancelledError:  # closed while the batch ran
-            _fail_all(live, self._closed or ServiceStopped(f"{self.name}: batch cancelled"))
-            raise
         except Exception as exc:
             self.stats.errors += len(live)
             _fail_all(live, exc)
         else:
             self._deliver(live, results)
-        finally:
-            if inspect.iscoroutine(pending_result):
-                pending_result.close()  # never awaited if we were cancelled first
-            self._free_slots += 1
-            self._wakeup.set()
+
+    def _batch_done(self, live: list[Pending], pending_result: Awaitable[Sequence[Any]], task: asyncio.Task) -> None:
+        """A batch task ended, however: fail its callers if it was cancelled, then free its slot."""
+        self._running.discard(task)
+        if task.cancelled():  # closed while the batch ran, or before it began
+            _fail_all(live, self._closed or ServiceStopped(f"{self.name}: batch cancelled"))
+        if inspect.iscoroutine(pending_result):
+            pending_result.close()  # never awaited if the task was cancelled before its first step
+        self._free_slots += 1
+        self._wakeup.set()
 
     def _deliver(self, live: list[Pending], results: Any) -> None:
         """One result per caller, in order; an ``Exception`` in a slot fails only its caller."""

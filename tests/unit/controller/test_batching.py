@@ -400,6 +400,29 @@ async def test_close_fails_queued_items_instead_of_hanging():
         await b.submit(1)
 
 
+async def test_a_batch_closed_in_the_tick_it_started_fails_its_callers_and_frees_its_work():
+    """close() right after a full batch started: its task is cancelled before it ever ran. Its
+    callers get the close error (they hung before) and the executor's coroutine is closed."""
+    started: list = []
+
+    async def slow(items):
+        await asyncio.sleep(30)
+        return items
+
+    def execute(items, key):
+        coro = slow(items)
+        started.append(coro)
+        return coro
+
+    b = Batcher(Batching(max_size=2, max_wait_s=10.0), execute)
+    futs = [b.enqueue(1), b.enqueue(2)]  # full: started synchronously, its task not yet stepped
+    assert len(started) == 1
+    await b.close(RuntimeError("the replica failed"))
+    out = await bounded(asyncio.gather(*futs, return_exceptions=True), "the started batch's callers after close()")
+    assert [str(e) for e in out] == ["the replica failed", "the replica failed"]
+    assert started[0].cr_frame is None  # closed, never left pending
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
