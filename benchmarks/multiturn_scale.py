@@ -5,7 +5,7 @@
 
 An agentic step is ``prompts x group_size`` trajectories of many turns, and every turn is two
 requests from the controller: the policy's ``generate_turn`` and the environment's ``step``. This
-runs ``apps.grpo.multiturn.MultiTurnRollouts`` (session keys, the policy's ``SessionAffinity`` and
+runs ``apps.grpo.multiturn.MultiTurnGroups`` (session keys, the policy's ``SessionAffinity`` and
 the env's ``EnvSessionRouter``, the reference per group, ``EpisodeBatch.pack``, the buffer) with
 the real buffer and dataset in this process, against stand-in roles that answer at once:
 
@@ -36,8 +36,10 @@ sys.path.insert(0, str(HERE))  # rollout_scale's stand-ins and TenTurns import b
 
 import forge.controller  # noqa: E402,F401  (before monarch)
 from apps.common.roles import QUIET_ENV  # noqa: E402
-from apps.grpo.multiturn import MultiTurnRollouts  # noqa: E402
-from apps.grpo.rollout_workers import WorkerSettings, start_rollout_workers, stop_rollout_workers  # noqa: E402
+from apps.grpo.groups import GroupSettings  # noqa: E402
+from apps.grpo.multiturn import MultiTurnGroups  # noqa: E402
+from apps.grpo.rollout_workers import start_rollout_workers, stop_rollout_workers  # noqa: E402
+from apps.grpo.rollouts import Rollouts  # noqa: E402
 from forge.envs import EnvActor, EnvConfig, EnvSessionRouter, SessionAffinity  # noqa: E402
 from forge.envs.base import Action, Environment, StepResult  # noqa: E402
 from forge.types import Prompt  # noqa: E402
@@ -83,7 +85,7 @@ async def start_roles(replicas: int, turns: int, turn_tokens: int) -> Any:
 
 
 def limits(turns: int, turn_tokens: int) -> dict[str, int]:
-    """``MultiTurnRollouts``' limits for episodes of ``turns`` turns of ``turn_tokens`` tokens."""
+    """``MultiTurnGroups``' limits for episodes of ``turns`` turns of ``turn_tokens`` tokens."""
     max_model_len = 16 + turns * (turn_tokens + OBSERVATION_TOKENS) + turn_tokens
     return {"max_turns": turns, "max_tokens": turn_tokens, "max_model_len": max_model_len}
 
@@ -98,15 +100,15 @@ async def run_cell(
     prompts = trajectories // GROUP_SIZE
     cell = f"mt{trajectories}x{len(roles.policy.service.replicas)}w{workers}"
     await rollout_scale.start_local(roles, prompts, cell)
-    rollouts = MultiTurnRollouts(
-        roles, GROUP_SIZE, prompts, prompts, workers=roles.rollout if workers else None, **limits(turns, turn_tokens)
-    )
+    maker = None if workers else MultiTurnGroups(roles, GROUP_SIZE, **limits(turns, turn_tokens))
+    rollouts = Rollouts(roles, maker, prompts, prompts, workers=roles.rollout if workers else None)
     tasks = rollouts.start()
     try:
         stored, cpu, wall, main = await rollout_scale.timed_steps(roles, rollouts, tasks, prompts, steps)
         played = stored * GROUP_SIZE * turns
-        if rollouts.counts.lost or rollouts.failed_trajectories:
-            raise AssertionError(f"cell {cell}: {rollouts.group_counts()}, {rollouts.failed_trajectories} failed")
+        failed = maker.failed_trajectories if maker is not None else 0  # the workers log their own
+        if rollouts.counts.lost or failed:
+            raise AssertionError(f"cell {cell}: {rollouts.group_counts()}, {failed} failed")
     finally:
         await rollout_scale.stop_cell(roles, rollouts, tasks)
     return {
@@ -132,7 +134,7 @@ async def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
             for w in args.workers:
                 views = None
                 if w:
-                    settings = WorkerSettings(GROUP_SIZE, multiturn=limits(args.turns, args.turn_tokens))
+                    settings = GroupSettings(GROUP_SIZE, multiturn=limits(args.turns, args.turn_tokens))
                     roles.rollout, views = await start_rollout_workers(roles, w, settings)
                 try:
                     for t in args.trajectories:

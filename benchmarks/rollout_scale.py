@@ -5,8 +5,9 @@
     python benchmarks/rollout_scale.py --sequences 4096 --replicas 2 --profile controller.prof
 
 forge is single-controller: one Python process drives every rollout. This runs the app's own
-path, ``apps.grpo.rollouts.Rollouts`` (policy ``generate.route`` per prompt, reward ``score``
-and reference ``logprobs`` per completion, ``EpisodeBatch.pack``, the buffer writer's
+path, ``apps.grpo.rollouts.Rollouts`` over ``apps.grpo.groups.SingleTurnGroups`` (policy
+``generate.route`` per prompt, reward ``score`` and reference ``logprobs`` per completion,
+``EpisodeBatch.pack``, the buffer writer's
 ``add_many``, ``take_batch``) with the real ``ReplayBuffer`` and ``Dataset`` in the controller's
 process, as ``apps.grpo.roles.start_local`` puts them, against stand-in roles whose work takes
 no time, so what is left is the controller's own cost:
@@ -49,8 +50,9 @@ sys.path.insert(0, str(REPO))  # this checkout's forge and apps, whatever the ve
 
 import forge.controller  # noqa: E402,F401  (before monarch)
 from apps.common.roles import QUIET_ENV  # noqa: E402
+from apps.grpo.groups import GroupSettings, SingleTurnGroups  # noqa: E402
 from apps.grpo.roles import Roles  # noqa: E402
-from apps.grpo.rollout_workers import WorkerSettings, start_rollout_workers, stop_rollout_workers  # noqa: E402
+from apps.grpo.rollout_workers import start_rollout_workers, stop_rollout_workers  # noqa: E402
 from apps.grpo.rollouts import Rollouts  # noqa: E402
 from forge.actors import (  # noqa: E402
     Dataset,
@@ -245,7 +247,8 @@ async def run_cell(
     cell = f"{sequences}x{len(roles.policy.service.replicas)}w{workers}"
     await start_local(roles, prompts, cell)
     # The app's defaults: rollout.concurrency = prompts_per_step, max_buffered = prompts_per_step.
-    rollouts = Rollouts(roles, GROUP_SIZE, prompts, prompts, workers=roles.rollout if workers else None)
+    maker = None if workers else SingleTurnGroups(roles, GROUP_SIZE)
+    rollouts = Rollouts(roles, maker, prompts, prompts, workers=roles.rollout if workers else None)
     tasks = rollouts.start()
     try:
         stored, cpu, wall, main = await timed_steps(roles, rollouts, tasks, prompts, steps, profile)
@@ -287,7 +290,7 @@ async def sweep(
             for w in workers:
                 publisher = None
                 if w:
-                    roles.rollout, publisher = await start_rollout_workers(roles, w, WorkerSettings(GROUP_SIZE))
+                    roles.rollout, publisher = await start_rollout_workers(roles, w, GroupSettings(GROUP_SIZE))
                 try:
                     for s in sequences:
                         prof = cProfile.Profile(time.thread_time) if profile else None  # CPU, not idle waits

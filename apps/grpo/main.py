@@ -67,9 +67,9 @@ from apps.common import cli
 from apps.common.evaluation import EvalPlan, EvalRuns
 from apps.common.weights import PolicyWeights
 from apps.grpo.faults import RoleWatch, resume_hint
-from apps.grpo.multiturn import MultiTurnRollouts
+from apps.grpo.groups import GroupSettings
 from apps.grpo.roles import RoleFailed, Roles, fault_options, job_gone, prepare_model, start_roles, stop_roles
-from apps.grpo.rollout_workers import ViewPublisher, WorkerSettings, start_rollout_workers, stop_rollout_workers
+from apps.grpo.rollout_workers import ViewPublisher, start_rollout_workers, stop_rollout_workers
 from apps.grpo.rollouts import Rollouts
 from apps.grpo.run_log import RunLog
 from apps.grpo.trainer_restart import TrainerRestarts, trainer_died
@@ -112,7 +112,7 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         # A restarted policy replica loads the weights the others serve before it takes traffic.
         roles.policy.set_resync(roles.weights.resync)
         if cfg.rollout.workers:  # the groups are made in worker processes (rollout_workers.py)
-            workers, settings = cfg.rollout.workers, WorkerSettings.from_config(cfg)
+            workers, settings = cfg.rollout.workers, GroupSettings.from_config(cfg)
             roles.rollout, views = await start_rollout_workers(roles, workers, settings, **fault_options(cfg))
         await watch.watch_actor("trainer", roles.trainer)
         step, version = (0, 0) if resume_from is None else await resume(cfg, roles, resume_from)
@@ -121,10 +121,7 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
             await evals.now(step)
         startup_s = time.perf_counter() - t_start
         log = RunLog(cfg, terminal, resume_after=None if resume_from is None else step, started=t_start)
-        if cfg.env.cls:  # multi-turn: trajectories against the environment service (multiturn.py)
-            rollouts = MultiTurnRollouts.from_config(cfg, roles)
-        else:
-            rollouts = Rollouts.from_config(cfg, roles)
+        rollouts = Rollouts.from_config(cfg, roles)  # its groups: groups.py (single-turn) or multiturn.py
         restarts = TrainerRestarts(cfg, model_path, roles, watch)
         tasks = [asyncio.create_task(watch.watch_services(roles.services()), name="service-watch"), *rollouts.start()]
         if roles.host_pool is not None and roles.host_pool.job is not None:  # a job that ends stops the run

@@ -34,21 +34,15 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from apps.grpo.roles import RoleFailed, Roles, call_role
-from apps.grpo.rollouts import DynamicSampling, Rollouts
 from forge.controller import ReplicaFailed
 from forge.envs import Action, EnvError, ResetRequest, SessionKey, StepRequest, Trajectory, UnknownSession
 from forge.losses import group_advantages
 from forge.observability import record_metric
-from forge.types import EpisodeBatch, TurnRequest
-
-if TYPE_CHECKING:
-    from apps.grpo.config import GRPOConfig
-    from forge.controller import ServiceInterface
+from forge.types import EpisodeBatch, Prompt, TurnRequest
 
 logger = logging.getLogger("forge.grpo")
 
@@ -60,37 +54,21 @@ class TrajectoryFailed(Exception):
     """One trajectory cannot go on (its environment failed, or it ran out of turns or context)."""
 
 
-class MultiTurnRollouts(Rollouts):
-    """``Rollouts`` whose groups are multi-turn trajectories against ``roles.env``."""
+class MultiTurnGroups:
+    """A group maker (``apps.grpo.groups``) whose groups are multi-turn trajectories against ``roles.env``."""
 
-    def __init__(
-        self,
-        roles: Roles,
-        group_size: int,
-        concurrency: int,
-        max_buffered: int,
-        *,
-        max_turns: int,
-        max_tokens: int,
-        max_model_len: int,
-        sampling: DynamicSampling | None = None,
-        workers: ServiceInterface | None = None,
-    ) -> None:
-        super().__init__(roles, group_size, concurrency, max_buffered, sampling=sampling, workers=workers)
-        if roles.env is None and workers is None:
+    def __init__(self, roles: Roles, group_size: int, *, max_turns: int, max_tokens: int, max_model_len: int) -> None:
+        if roles.env is None:
             raise ValueError("multi-turn rollouts need an environment service (env.cls in the config)")
+        self.roles = roles
+        self.group_size = group_size
         self.max_turns = max_turns
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
         self.failed_trajectories = 0
         self._sessions = itertools.count()
 
-    @classmethod
-    def from_config(cls, cfg: GRPOConfig, roles: Roles, **extra: Any) -> MultiTurnRollouts:
-        limits = {"max_turns": cfg.env.max_turns, "max_model_len": cfg.policy.max_model_len}
-        return super().from_config(cfg, roles, max_tokens=cfg.policy.max_tokens, **limits, **extra)
-
-    async def one_group(self, prompt: Any, group_id: str) -> Any:
+    async def make(self, prompt: Prompt, group_id: str) -> EpisodeBatch:
         """``group_size`` trajectories of ``prompt`` -> reference logprobs -> scored episodes."""
         t0 = time.perf_counter()
         for attempt in range(1, MAX_GROUP_TRIES + 1):
@@ -137,7 +115,7 @@ class MultiTurnRollouts(Rollouts):
             [t.to_episode(group_id, ref, float(a)) for t, ref, a in zip(done, ref_logprobs, advantages.tolist())]
         )
 
-    async def trajectory(self, prompt: Any, group_id: str) -> Trajectory:
+    async def trajectory(self, prompt: Prompt, group_id: str) -> Trajectory:
         """Play one episode to its end; ``TrajectoryFailed`` (logged) if it cannot finish."""
         session = f"{group_id}/{next(self._sessions)}"
         key = SessionKey(session, group_id)
@@ -168,7 +146,7 @@ class MultiTurnRollouts(Rollouts):
             if isinstance(exc.error, UnknownSession) and traj is not None:
                 # Reset here and not ended: the env replica that held the episode restarted and
                 # the service resent the step to its successor. Like a policy replica's death,
-                # the whole group is played again (``Rollouts._produce``).
+                # the whole group is played again (``groups.make_with_retries``).
                 raise RoleFailed("env", ReplicaFailed(f"session {session}: {exc.error}")) from exc
             if isinstance(exc.error, EnvError):
                 raise self._failed(TrajectoryFailed(str(exc.error))) from exc

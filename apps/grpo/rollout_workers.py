@@ -16,7 +16,7 @@ worker gets them before it takes traffic (its resync).
 
 Faults: a worker whose process dies is restarted like any service replica; the orders it held
 are resent by the service to another worker, or fail as a replica's death, and the controller
-generates those groups again from the same prompts with the same ids (``Rollouts.make_group``):
+generates those groups again from the same prompts with the same ids (``groups.make_with_retries``):
 none is lost, and the buffer refuses a second copy. A replica of another role dying under a
 worker is the worker's to retry, exactly as the controller would.
 """
@@ -26,20 +26,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from apps.common.roles import QUIET_ENV, ROLE_ENV
 from apps.grpo.group_orders import GroupOrder, MadeGroup, MadeGroups
+from apps.grpo.groups import GroupMaker, GroupSettings, group_maker, make_with_retries
 from apps.grpo.roles import RoleFailed, Roles
 from forge.controller import Batching, ForgeActor, ServiceInterface, ServiceView, endpoint
 from forge.controller.attach import attach, attached_service, service_view
 
-if TYPE_CHECKING:
-    from apps.grpo.config import GRPOConfig
-    from apps.grpo.rollouts import Rollouts
-
-__all__ = ["RolloutWorker", "ViewPublisher", "WorkerSettings", "start_rollout_workers", "stop_rollout_workers"]
+__all__ = ["RolloutWorker", "ViewPublisher", "start_rollout_workers", "stop_rollout_workers"]
 
 logger = logging.getLogger("forge.grpo")
 
@@ -51,30 +47,13 @@ VIEW_PUSH_TIMEOUT_S = 30.0
 ATTACHED_ROLES = ("policy", "reference", "reward", "env")
 
 
-@dataclass
-class WorkerSettings:
-    """What a worker's group maker needs of the run's config."""
-
-    group_size: int
-    multiturn: dict[str, int] | None = None
-    """``max_turns``, ``max_tokens`` and ``max_model_len`` of a multi-turn run; None: single-turn."""
-
-    @classmethod
-    def from_config(cls, cfg: GRPOConfig) -> WorkerSettings:
-        multiturn = None
-        if cfg.env.cls:
-            limits = (cfg.env.max_turns, cfg.policy.max_tokens, cfg.policy.max_model_len)
-            multiturn = dict(zip(("max_turns", "max_tokens", "max_model_len"), limits))
-        return cls(cfg.group_size, multiturn)
-
-
 class RolloutWorker(ForgeActor):
     """Makes groups from the controller's orders over attached role services."""
 
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: GroupSettings) -> None:
         self.settings = settings
         self.services: dict[str, ServiceInterface] = {}
-        self.rollouts: Rollouts | None = None
+        self.maker: GroupMaker | None = None
         self._making: set[asyncio.Task] = set()  # the groups being made now
 
     @endpoint(concurrent=True)
@@ -85,19 +64,8 @@ class RolloutWorker(ForgeActor):
                 await attached_service(self.services[role]).apply(view)
             else:
                 self.services[role] = await attach(view)
-        if self.rollouts is None:
-            self.rollouts = self._group_maker()
-
-    def _group_maker(self) -> Rollouts:
-        """The app's own ``Rollouts`` (or ``MultiTurnRollouts``) over the attached services; only
-        its ``make_group`` is used here (no prompts, no buffer: those stay with the controller)."""
-        from apps.grpo.multiturn import MultiTurnRollouts
-        from apps.grpo.rollouts import Rollouts
-
-        roles = Roles(**{role: self.services.get(role) for role in ATTACHED_ROLES})
-        if self.settings.multiturn is None:
-            return Rollouts(roles, self.settings.group_size, 1, 1)
-        return MultiTurnRollouts(roles, self.settings.group_size, 1, 1, **self.settings.multiturn)
+        if self.maker is None:  # the run's own group maker, over the attached services
+            self.maker = group_maker(Roles(**{role: self.services.get(role) for role in ATTACHED_ROLES}), self.settings)
 
     @staticmethod
     def unpack_made(made: MadeGroups, n: int) -> list[MadeGroup]:
@@ -115,7 +83,7 @@ class RolloutWorker(ForgeActor):
     )
     async def groups(self, orders: list[GroupOrder]) -> MadeGroups:
         """Make every order's group, concurrently; the batch's groups come back packed."""
-        if self.rollouts is None:
+        if self.maker is None:
             raise RuntimeError("this rollout worker has no role services: attach() was never called")
         making = [asyncio.ensure_future(self._make(order)) for order in orders]
         self._making.update(making)
@@ -136,9 +104,12 @@ class RolloutWorker(ForgeActor):
         return len(making)
 
     async def _make(self, order: GroupOrder) -> MadeGroup:
-        assert self.rollouts is not None
+        maker = self.maker
+        assert maker is not None
         try:
-            group, regenerated = await self.rollouts.make_group(order.prompt, order.group_id)
+            group, regenerated = await make_with_retries(
+                lambda: maker.make(order.prompt, order.group_id), order.group_id
+            )
         except RoleFailed as exc:  # a role's own failure, or a replica that did not come back
             return MadeGroup(None, str(exc), 0)
         return MadeGroup(group, None, regenerated)
@@ -190,7 +161,7 @@ class ViewPublisher:
 async def start_rollout_workers(
     roles: Roles,
     count: int,
-    settings: WorkerSettings,
+    settings: GroupSettings,
     worker_cls: type[RolloutWorker] | None = None,
     **options: Any,
 ) -> tuple[ServiceInterface, ViewPublisher]:

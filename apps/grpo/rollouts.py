@@ -1,4 +1,8 @@
-"""Continuous rollouts of the GRPO app: prompts -> groups of scored episodes -> the buffer."""
+"""Continuous rollouts of the GRPO app: prompts -> groups of scored episodes -> the buffer.
+
+This is the scheduling around the algorithm: how many prompts are in flight, backpressure,
+dynamic sampling and the buffer's writes. What turns one prompt into one scored group is a group
+maker (``apps.grpo.groups``), held here or by each rollout worker."""
 
 from __future__ import annotations
 
@@ -7,31 +11,23 @@ import collections
 import itertools
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from apps.grpo.group_orders import GroupOrder
+from apps.grpo.groups import GroupMaker, GroupSettings, group_maker, make_with_retries
 from apps.grpo.roles import RoleFailed, Roles, call_role
-from forge.actors import prompt_key
-from forge.actors.reference_model import ResponseGroup
 from forge.checks import check_int
 from forge.controller import Batcher, Batching
-from forge.losses import group_advantages
 from forge.losses import rewards_uniform as uniform
 from forge.observability import record_metric
-from forge.types import EpisodeBatch, EpisodeGroups, PackedGroup
+from forge.types import EpisodeBatch, EpisodeGroups, Prompt
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
     from forge.controller import ServiceInterface
 
 logger = logging.getLogger("forge.grpo")
-
-MAX_GROUP_ATTEMPTS = 10
-"""Tries of one group before the run gives up on it (each try follows a replica's death)."""
 
 
 @dataclass
@@ -56,14 +52,6 @@ class RolloutCounts:
     @property
     def lost(self) -> int:
         return self.started - self.stored - self.refused - self.dropped_uniform - self.in_flight
-
-
-def check_count(role: str, what: str, expected: int, received: int) -> None:
-    """A role answered a group with the wrong number of results: fail the run naming it, rather
-    than zip the results short (a group of fewer episodes, rewards against the wrong completions).
-    Not recoverable: the role's own code is wrong, and generating again would only repeat it."""
-    if received != expected:
-        raise RoleFailed(role, f"returned {received} {what} for a group that needs {expected}")
 
 
 def rewards_uniform(group: EpisodeBatch) -> bool:
@@ -145,7 +133,8 @@ def _retrieved(task: asyncio.Task) -> None:
 
 
 class Rollouts:
-    """Continuous rollouts: ``concurrency`` workers, each turning one prompt into one group.
+    """Continuous rollouts: ``concurrency`` tasks, each turning one prompt at a time into one
+    group with ``maker`` (or, with ``workers``, through a rollout worker).
 
     Backpressure: a worker starts a new prompt only while fewer than ``max_buffered`` groups are
     in flight or waiting in the buffer, so rollouts stay about ``max_policy_age`` batches ahead
@@ -167,17 +156,20 @@ class Rollouts:
     def __init__(
         self,
         roles: Roles,
-        group_size: int,
+        maker: GroupMaker | None,
         concurrency: int,
         max_buffered: int,
         *,
         sampling: DynamicSampling | None = None,
         workers: ServiceInterface | None = None,
     ) -> None:
+        if maker is None and workers is None:
+            raise ValueError("rollouts need a group maker, or the rollout workers' service that holds one")
         self.roles = roles
+        self.maker = maker
+        """Makes each group here (``apps.grpo.groups``); None with rollout workers, which hold their own."""
         self.workers = workers
         """The rollout workers' service (``rollout.workers``), which makes the groups; None: here."""
-        self.group_size = group_size
         self.concurrency = concurrency
         self.max_buffered = max_buffered
         self.outstanding = 0  # groups in flight or in the buffer
@@ -194,16 +186,16 @@ class Rollouts:
         self._writes = Batcher(writes, self._add_many, name="grpo-buffer-writes")
 
     @classmethod
-    def from_config(cls, cfg: GRPOConfig, roles: Roles, **extra: Any) -> Rollouts:
-        """The run's rollouts; ``extra`` are a subclass's own keyword arguments."""
+    def from_config(cls, cfg: GRPOConfig, roles: Roles) -> Rollouts:
+        """The run's rollouts: its group maker here, or its rollout workers' (``roles.rollout``)."""
+        maker = None if roles.rollout is not None else group_maker(roles, GroupSettings.from_config(cfg))
         return cls(
             roles,
-            cfg.group_size,
+            maker,
             cfg.rollout_concurrency,
             cfg.max_buffered_groups,
             sampling=DynamicSampling.from_config(cfg),
             workers=roles.rollout,
-            **extra,
         )
 
     @property
@@ -325,21 +317,16 @@ class Rollouts:
         self.counts.regenerated += regenerated
         return group
 
-    async def make_group(self, prompt: Any, group_id: str) -> tuple[EpisodeBatch, int]:
-        """One prompt's group, and how many times it was generated again (same prompt, same id)
-        after a replica's death: here (``one_group``) or by a rollout worker (``from_worker``)."""
-        once = self.one_group if self.workers is None else self.from_worker
-        for attempt in range(1, MAX_GROUP_ATTEMPTS + 1):
-            try:
-                return await once(prompt, group_id), attempt - 1
-            except RoleFailed as exc:
-                if not exc.recoverable or attempt == MAX_GROUP_ATTEMPTS:
-                    raise
-                logger.info("group %s: %s; generating it again (try %d)", group_id, exc, attempt + 1)
-                await asyncio.sleep(min(0.2 * attempt, 2.0))  # the service is restarting the replica
-        raise AssertionError("unreachable")
+    async def make_group(self, prompt: Prompt, group_id: str) -> tuple[EpisodeBatch, int]:
+        """One prompt's group, and how many times it was made again (same prompt, same id) after a
+        replica's death: by the maker here, or by a rollout worker (``from_worker``)."""
+        if self.workers is not None:
+            return await make_with_retries(lambda: self.from_worker(prompt, group_id), group_id)
+        maker = self.maker
+        assert maker is not None  # __init__ takes one or the other
+        return await make_with_retries(lambda: maker.make(prompt, group_id), group_id)
 
-    async def from_worker(self, prompt: Any, group_id: str) -> EpisodeBatch:
+    async def from_worker(self, prompt: Prompt, group_id: str) -> EpisodeBatch:
         """The group made by a rollout worker (``apps.grpo.rollout_workers``): one request per
         group here, every policy, reward and reference request in the worker's process."""
         assert self.workers is not None
@@ -349,42 +336,10 @@ class Rollouts:
             raise RoleFailed("rollout", made.error)
         return made.group
 
-    async def _next_prompt(self) -> Any:
+    async def _next_prompt(self) -> Prompt:
         async with self._fetching:
             if not self._prompts:
                 self._prompts.extend(
                     await call_role("dataset", self.roles.dataset.sample_many.call_one(self.concurrency))
                 )
             return self._prompts.popleft()
-
-    # One request per group to the reward and the reference, not one per completion: the
-    # controller's cost per sequence was its cost per request (docs/benchmarks.md, section 17).
-    # Routed inside these coroutines, so a worker cancelled before they run queues nothing.
-    async def _rewards(self, group: PackedGroup) -> list[Any]:
-        return await call_role("reward", self.roles.reward.score_groups.route((group.prompt, group.texts)))
-
-    async def _ref_logprobs(self, group: PackedGroup) -> torch.Tensor:
-        """The group's reference logprobs, flat like ``group.logprobs``."""
-        if self.roles.reference is None:  # reference.from_base: the trainer scores the base itself
-            return torch.zeros(group.token_ids.shape, dtype=torch.float32)
-        responses = ResponseGroup(group.prompt_ids, group.token_ids, group.response_lens)
-        return await call_role("reference", self.roles.reference.logprobs_groups.route(responses))
-
-    async def one_group(self, prompt: Any, group_id: str) -> Any:
-        """Prompt -> completions -> rewards and reference logprobs -> scored episodes, packed all
-        the way (``PackedGroup`` in, ``EpisodeBatch.of_group`` out: no object per completion)."""
-        roles = self.roles
-        t0 = time.perf_counter()
-        group = PackedGroup.of(await call_role("policy", roles.policy.generate.route(prompt, key=prompt_key(prompt))))
-        t1 = time.perf_counter()
-        check_count("policy", "completions", self.group_size, len(group))
-        rewards, ref_logprobs = await asyncio.gather(self._rewards(group), self._ref_logprobs(group))
-        check_count("reward", "rewards", len(group), len(rewards))
-        check_count("reference", "reference logprobs", group.token_ids.numel(), ref_logprobs.numel())
-        failed = next((r for r in rewards if isinstance(r, Exception)), None)
-        if failed is not None:  # a reward function raised on one of the group's responses
-            raise RoleFailed("reward", failed)
-        record_metric("rollout/generate_latency_s", t1 - t0)
-        record_metric("rollout/score_latency_s", time.perf_counter() - t1)
-        scores = torch.tensor(rewards, dtype=torch.float32)
-        return EpisodeBatch.of_group(group, group_id, ref_logprobs, scores, group_advantages(scores))

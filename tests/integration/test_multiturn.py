@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("vllm")
 
 from apps.grpo.cli import app_command  # noqa: E402
-from apps.grpo.multiturn import MultiTurnRollouts  # noqa: E402
+from apps.grpo.multiturn import MultiTurnGroups  # noqa: E402
 from apps.grpo.roles import Roles  # noqa: E402
 from forge.actors.policy import Policy, PolicyConfig  # noqa: E402
 from forge.actors.reference_model import ReferenceConfig, ReferenceModel  # noqa: E402
@@ -77,10 +77,10 @@ async def test_trainer_input_is_the_sampled_and_env_ids_of_three_turns_byte_for_
         EnvConfig(f"{__name__}:TranscribedEnv", {"transcripts": str(tmp_path)})
     )
     try:
-        rollouts = MultiTurnRollouts(
-            Roles(policy=policy, reference=reference, env=env), 4, 1, 1, max_turns=3, max_tokens=4, max_model_len=256
+        groups = MultiTurnGroups(
+            Roles(policy=policy, reference=reference, env=env), 4, max_turns=3, max_tokens=4, max_model_len=256
         )
-        group = await rollouts.one_group(Prompt("p", "12=", "21"), "g")
+        group = await groups.make(Prompt("p", "12=", "21"), "g")
         episodes = EpisodeBatch.concat([group]).unpack()  # as the buffer hands them to the trainer
         batch = Trainer._pack(SimpleNamespace(config=TrainerConfig(model_path="unused")), episodes)
         records = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]

@@ -22,13 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # test_ro
 
 import rollout_scale  # noqa: E402
 
+from apps.grpo.groups import GroupSettings  # noqa: E402
 from apps.grpo.roles import RoleFailed, Roles  # noqa: E402
-from apps.grpo.rollout_workers import (  # noqa: E402
-    RolloutWorker,
-    WorkerSettings,
-    start_rollout_workers,
-    stop_rollout_workers,
-)
+from apps.grpo.rollout_workers import RolloutWorker, start_rollout_workers, stop_rollout_workers  # noqa: E402
 from apps.grpo.rollouts import Rollouts  # noqa: E402
 from forge.controller import ReplicaState, endpoint  # noqa: E402
 from forge.types import EpisodeBatch, Prompt  # noqa: E402
@@ -60,13 +56,13 @@ async def start(replicas: int, workers: int, **stand_ins) -> tuple[Roles, Rollou
     roles = await rollout_scale.start_stand_ins(replicas, policy_cls=KillablePolicy, **stand_ins)
     try:
         roles.rollout, views = await start_rollout_workers(
-            roles, workers, WorkerSettings(GROUP), worker_cls=KillableWorker, restart_backoff_s=0.2
+            roles, workers, GroupSettings(GROUP), worker_cls=KillableWorker, restart_backoff_s=0.2
         )
         await rollout_scale.start_local(roles, PROMPTS, f"w{workers}")
     except BaseException:
         await roles.stop(timeout_s=60)
         raise
-    rollouts = Rollouts(roles, GROUP, PROMPTS, PROMPTS, workers=roles.rollout)
+    rollouts = Rollouts(roles, None, PROMPTS, PROMPTS, workers=roles.rollout)
     return roles, rollouts, rollouts.start(), views
 
 
@@ -184,8 +180,8 @@ async def test_a_role_answering_a_worker_with_the_wrong_count_stops_the_group_na
 
     roles = await rollout_scale.start_stand_ins(1, reward_cls=ShortReward)
     try:
-        roles.rollout, views = await start_rollout_workers(roles, 1, WorkerSettings(GROUP))
-        rollouts = Rollouts(roles, GROUP, 1, 1, workers=roles.rollout)
+        roles.rollout, views = await start_rollout_workers(roles, 1, GroupSettings(GROUP))
+        rollouts = Rollouts(roles, None, 1, 1, workers=roles.rollout)
         with pytest.raises(RoleFailed) as caught:
             await rollouts.make_group(Prompt("p0", "1 + 1", "2"), "p0#0")
         await rollouts.close()

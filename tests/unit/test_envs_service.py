@@ -16,9 +16,9 @@ import logging
 import pytest
 import torch
 
-from apps.grpo.multiturn import MultiTurnRollouts
+from apps.grpo.groups import SingleTurnGroups
+from apps.grpo.multiturn import MultiTurnGroups
 from apps.grpo.roles import RoleFailed, Roles
-from apps.grpo.rollouts import Rollouts
 from forge.actors.policy import PackedGroups
 from forge.actors.reference_model import ResponseGroup
 from forge.controller import Batching, ForgeActor, endpoint
@@ -195,10 +195,10 @@ async def test_multiturn_group_trains_on_the_trajectories_that_finished(scripted
     env = await _env(["ok", "raises", "malformed", "hangs", "never_done", "ok"])
     try:
         roles = Roles(policy=policy, reference=reference, env=env)
-        rollouts = MultiTurnRollouts(roles, 6, 1, 1, max_turns=3, max_tokens=2, max_model_len=64)
+        groups = MultiTurnGroups(roles, 6, max_turns=3, max_tokens=2, max_model_len=64)
         with caplog.at_level(logging.WARNING, logger="forge.grpo"):
-            group = await rollouts.one_group(PROMPT, "g0")
-        assert len(group) == 2 and rollouts.failed_trajectories == 4
+            group = await groups.make(PROMPT, "g0")
+        assert len(group) == 2 and groups.failed_trajectories == 4
         episode = group.unpack()[0]
         # prompt [4, 5, 6]; turn 0 samples [13, 11] (history of 3), env answers [7, 8];
         # turn 1 samples [17, 11] (history of 7) and the episode is done.
@@ -227,25 +227,25 @@ async def test_a_group_whose_every_trajectory_fails_stops_the_run_with_the_cause
     env = await _env(["raises"])
     try:
         roles = Roles(policy=policy, reference=reference, env=env)
-        rollouts = MultiTurnRollouts(roles, 2, 1, 1, max_turns=3, max_tokens=2, max_model_len=64)
+        groups = MultiTurnGroups(roles, 2, max_turns=3, max_tokens=2, max_model_len=64)
         with pytest.raises(RoleFailed, match="every trajectory of group g1 failed 3 times.*sandbox crashed") as info:
-            await rollouts.one_group(PROMPT, "g1")
+            await groups.make(PROMPT, "g1")
         assert not info.value.recoverable
         # Turn 0: 3 prompt tokens + 2 <= 8; turn 1: 3 + 2 sampled + 2 env tokens, + 2 > 8.
-        short = MultiTurnRollouts(roles, 1, 1, 1, max_turns=3, max_tokens=2, max_model_len=8)
+        short = MultiTurnGroups(roles, 1, max_turns=3, max_tokens=2, max_model_len=8)
         with pytest.raises(RoleFailed, match=r"turn 1 would pass policy.max_model_len=8 \(7 tokens of history"):
-            await short.one_group(Prompt("p2", "12=", "21", meta={"mode": "ok"}), "g2")
+            await short.make(Prompt("p2", "12=", "21", meta={"mode": "ok"}), "g2")
     finally:
         await env.shutdown()
 
 
 async def test_a_single_turn_group_takes_behaviour_reference_rewards_and_advantages_each_from_its_role(scripted):
-    """Rollouts.one_group: each completion's behaviour logprobs are the policy's, its reference
+    """SingleTurnGroups.make: each completion's behaviour logprobs are the policy's, its reference
     logprobs the reference's, its reward the reward's and its advantage the group-normalised reward;
     a reward that failed on one response fails the group, naming the reward role."""
     policy, reference = scripted
-    rollouts = Rollouts(Roles(policy=policy, reward=policy, reference=reference), 4, concurrency=1, max_buffered=1)
-    episodes = (await rollouts.one_group(PROMPT, "g7")).unpack()
+    groups = SingleTurnGroups(Roles(policy=policy, reward=policy, reference=reference), 4)
+    episodes = (await groups.make(PROMPT, "g7")).unpack()
     assert [e.reward for e in episodes] == list(_REWARDS)
     assert [e.advantage for e in episodes] == group_advantages(torch.tensor(_REWARDS)).tolist()  # -0.82, 0, -0.82, 1.63
     assert [e.response_ids.tolist() for e in episodes] == [[0], [10, 11], [20], [30, 31]]
@@ -257,5 +257,5 @@ async def test_a_single_turn_group_takes_behaviour_reference_rewards_and_advanta
     assert {e.group_id for e in episodes} == {"g7"} and {e.policy_version for e in episodes} == {7}
     assert all(e.prompt_ids.tolist() == [1, 2, 3] for e in episodes)
     with pytest.raises(RoleFailed, match="no reward today") as info:
-        await rollouts.one_group(Prompt("p1", "12=", "21", meta={"fail": True}), "g8")
+        await groups.make(Prompt("p1", "12=", "21", meta={"fail": True}), "g8")
     assert info.value.role == "reward"

@@ -4,7 +4,7 @@ before the buffer, within a per-step bound, and every group stays accounted for.
 The decision (``DynamicSampling``) is tested on real ``EpisodeBatch`` groups. The rollout loop
 runs for real against the real replay buffer and dataset actors (in this process, as the app
 runs them) with the training loop's own ``Rollouts.take_batch``; only generation is scripted (a
-``Rollouts`` whose ``one_group`` makes a group from the prompt, no vLLM), so whether a group is
+group maker that makes a group from the prompt, no vLLM), so whether a group is
 uniform is known from its prompt.
 """
 
@@ -92,7 +92,7 @@ async def test_group_counts_name_what_the_rollouts_and_the_buffer_lost():
     added to the buffer and neither trained, evicted nor held. A vanished group shows in each."""
     from forge.actors.replay_buffer import BufferStats
 
-    rollouts = Rollouts(Roles(), group_size=4, concurrency=1, max_buffered=1)
+    rollouts = Rollouts(Roles(), ScriptedGroups(None), concurrency=1, max_buffered=1)
     rollouts.counts = RolloutCounts(started=10, stored=6, refused=1, dropped_uniform=1, in_flight=1)
     rollouts.buffer_stats = BufferStats(added=6, sampled=3, evicted=1, size=1)
     counts = rollouts.group_counts()
@@ -106,28 +106,29 @@ def _prompt_number(prompt: Prompt) -> int:
     return int(prompt.prompt_id.rsplit("-", 1)[1])  # the toy task's ids: toy-<seed>-<index>
 
 
-class ScriptedRollouts(Rollouts):
-    """Rollouts whose generation is scripted: prompts whose number is in ``uniform`` get a group
-    of equal rewards, the others a spread; every group is recorded as it finishes."""
+class ScriptedGroups:
+    """A group maker whose generation is scripted: prompts whose number is in ``uniform`` get a
+    group of equal rewards, the others a spread. While it runs, the rollouts' books balance."""
 
-    def __init__(self, roles: Roles, cfg: GRPOConfig, uniform: set[int] | None) -> None:
-        super().__init__(
-            roles,
-            cfg.group_size,
-            cfg.rollout_concurrency,
-            cfg.max_buffered_groups,
-            sampling=DynamicSampling.from_config(cfg),
-        )
+    def __init__(self, uniform: set[int] | None) -> None:
         self.uniform = uniform  # None: every prompt's group is uniform
-        self.finished: list[str] = []
+        self.rollouts: Rollouts | None = None
 
-    async def one_group(self, prompt: Prompt, group_id: str) -> EpisodeBatch:
+    async def make(self, prompt: Prompt, group_id: str) -> EpisodeBatch:
         await asyncio.sleep(0.001)  # let the other workers and the training loop run
-        assert self.counts.lost == 0 and 0 <= self.outstanding <= self.max_buffered
-        number = _prompt_number(prompt)
-        uniform = self.uniform is None or number in self.uniform
-        self.finished.append(group_id)
+        rollouts = self.rollouts
+        assert rollouts is not None and rollouts.counts.lost == 0
+        assert 0 <= rollouts.outstanding <= rollouts.max_buffered
+        uniform = self.uniform is None or _prompt_number(prompt) in self.uniform
         return _group(UNIFORM if uniform else SPREAD, group_id)
+
+
+def _scripted(roles: Roles, cfg: GRPOConfig, maker: ScriptedGroups) -> Rollouts:
+    """The app's rollouts over ``roles`` with ``cfg``'s concurrency, buffering and sampling."""
+    sampling = DynamicSampling.from_config(cfg)
+    rollouts = Rollouts(roles, maker, cfg.rollout_concurrency, cfg.max_buffered_groups, sampling=sampling)
+    maker.rollouts = rollouts
+    return rollouts
 
 
 async def _local_roles(cfg: GRPOConfig) -> Roles:
@@ -142,7 +143,7 @@ async def _local_roles(cfg: GRPOConfig) -> Roles:
     return Roles(buffer=buffer, dataset=dataset, local=[buffer, dataset])
 
 
-async def _train_steps(cfg: GRPOConfig, rollouts: ScriptedRollouts, roles: Roles, steps: int) -> list[dict]:
+async def _train_steps(cfg: GRPOConfig, rollouts: Rollouts, roles: Roles, steps: int) -> list[dict]:
     """The training loop's batch and metrics logic for ``steps`` steps (no trainer: the policy
     version stays 0, so nothing goes stale)."""
     rows = []
@@ -168,7 +169,7 @@ async def _run(cfg: GRPOConfig, uniform: set[int] | None, steps: int) -> list[di
     None for all) against fresh local roles."""
     roles = await _local_roles(cfg)
     try:
-        return await _train_steps(cfg, ScriptedRollouts(roles, cfg, uniform=uniform), roles, steps)
+        return await _train_steps(cfg, _scripted(roles, cfg, ScriptedGroups(uniform)), roles, steps)
     finally:
         await _stop(roles)
 
@@ -224,13 +225,13 @@ async def test_a_task_whose_every_group_is_uniform_still_trains_within_the_bound
     assert rows[-1]["groups/lost"] == 0.0 and rows[-1]["groups/unaccounted"] == 0.0
 
 
-class DuplicatingRollouts(ScriptedRollouts):
+class DuplicatingGroups(ScriptedGroups):
     """The groups of prompts 2 and 3 come back under one ``group_id``, as a group generated again
     after a replica's death whose first try also got through would: the second reaches the
     buffer through the rollouts' own writer."""
 
-    async def one_group(self, prompt: Prompt, group_id: str) -> EpisodeBatch:
-        group = await super().one_group(prompt, group_id)
+    async def make(self, prompt: Prompt, group_id: str) -> EpisodeBatch:
+        group = await super().make(prompt, group_id)
         return _group(SPREAD, "same-id") if _prompt_number(prompt) in (2, 3) else group
 
 
@@ -240,7 +241,7 @@ async def test_a_group_sent_to_the_buffer_twice_through_the_rollouts_is_refused_
     cfg = _cfg()
     roles = await _local_roles(cfg)
     try:
-        rows = await _train_steps(cfg, DuplicatingRollouts(roles, cfg, uniform=set()), roles, steps=3)
+        rows = await _train_steps(cfg, _scripted(roles, cfg, DuplicatingGroups(set())), roles, steps=3)
     finally:
         await _stop(roles)
     trained = [g.group_ids[0] for row in rows for g in row["groups"]]
@@ -262,13 +263,17 @@ def test_the_default_bound_is_four_steps_of_prompts_and_zero_drops_none():
 
 
 def test_single_and_multi_turn_rollouts_both_take_dynamic_sampling_from_the_config():
-    from apps.grpo.multiturn import MultiTurnRollouts
+    from apps.grpo.groups import SingleTurnGroups
+    from apps.grpo.multiturn import MultiTurnGroups
 
-    cfg = _cfg(
+    single_cfg = _cfg("rollout.dynamic_sampling=true", "rollout.max_dropped_per_step=5")
+    multi_cfg = _cfg(
         "rollout.dynamic_sampling=true", "rollout.max_dropped_per_step=5", "env.cls=forge.envs.toy:ReverseWithFeedback"
     )
-    single = Rollouts.from_config(cfg, Roles())
-    multi = MultiTurnRollouts.from_config(cfg, Roles(env=object()))  # a placeholder handle: never called here
+    single = Rollouts.from_config(single_cfg, Roles())
+    multi = Rollouts.from_config(multi_cfg, Roles(env=object()))  # a placeholder handle: never called here
+    assert type(single.maker) is SingleTurnGroups and type(multi.maker) is MultiTurnGroups
+    assert multi.maker.max_turns == multi_cfg.env.max_turns and multi.maker.group_size == multi_cfg.group_size
     for rollouts in (single, multi):
         assert rollouts.sampling.enabled and rollouts.sampling.max_dropped_per_step == 5
 

@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import rollout_scale  # noqa: E402
 
+from apps.grpo.groups import SingleTurnGroups  # noqa: E402
 from apps.grpo.roles import RoleFailed  # noqa: E402
-from apps.grpo.rollouts import Rollouts  # noqa: E402
 from forge.actors.reward import MAX_BATCH_PAIRS, RewardActor, group_pairs  # noqa: E402
 from forge.controller import Batching, endpoint  # noqa: E402
 from forge.types import Prompt  # noqa: E402
@@ -72,13 +72,11 @@ def test_a_cell_with_workers_runs_end_to_end():
 
 async def _one_group_failure(**stand_ins: Any) -> RoleFailed:
     """The error of one group of 16 over one replica of each stand-in role (``stand_ins`` change
-    one of them), through the app's own ``Rollouts.one_group``."""
+    one of them), through the app's own ``SingleTurnGroups``."""
     roles = await rollout_scale.start_stand_ins(replicas=1, **stand_ins)
     try:
-        rollouts = Rollouts(roles, group_size=16, concurrency=1, max_buffered=1)
         with pytest.raises(RoleFailed) as caught:
-            await rollouts.one_group(Prompt("p0", "1 + 1", "2"), "p0#0")
-        await rollouts.close()
+            await SingleTurnGroups(roles, 16).make(Prompt("p0", "1 + 1", "2"), "p0#0")
     finally:
         await roles.stop(timeout_s=60)
     return caught.value
