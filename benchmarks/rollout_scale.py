@@ -7,10 +7,10 @@
 forge is single-controller: one Python process drives every rollout. This runs the app's own
 path, ``apps.grpo.rollouts.Rollouts`` over ``apps.grpo.groups.SingleTurnGroups`` (policy
 ``generate.route`` per prompt, reward ``score`` and reference ``logprobs`` per completion,
-``EpisodeBatch.pack``, the buffer writer's
-``add_many``, ``take_batch``) with the real ``ReplayBuffer`` and ``Dataset`` in the controller's
-process, as ``apps.grpo.roles.start_local`` puts them, against stand-in roles whose work takes
-no time, so what is left is the controller's own cost:
+``EpisodeBatch.pack``, the buffer writer's ``add_many``, ``take_batch``) with the real
+``ReplayBuffer`` and ``Dataset`` in the controller's process, as ``apps.grpo.roles.start_local``
+puts them, against stand-in roles whose work takes no time, so what is left is the controller's
+own cost:
 
 - the policy is ``Policy`` with an engine that returns ``group_size`` fixed-length completions
   at once (the real ``generate`` endpoint, batching and ``PackedGroups`` debatch);

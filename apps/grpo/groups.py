@@ -127,13 +127,15 @@ class SingleTurnGroups:
         return await call_role("reference", self.roles.reference.logprobs_groups.route(responses))
 
 
-async def make_with_retries(make: Callable[[], Awaitable[EpisodeBatch]], group_id: str) -> tuple[EpisodeBatch, int]:
-    """``make()``'s group, and how many times it was made again after a replica's death
+async def make_with_retries(
+    make: Callable[[Prompt, str], Awaitable[EpisodeBatch]], prompt: Prompt, group_id: str
+) -> tuple[EpisodeBatch, int]:
+    """``make(prompt, group_id)``'s group, and how many times it was made again after a replica's death
     (``RoleFailed.recoverable``: the same prompt, the same ``group_id``, so the buffer refuses a
     second copy if a first try got through). Any other failure, or the last try's, is raised."""
     for attempt in range(1, MAX_GROUP_ATTEMPTS + 1):
         try:
-            return await make(), attempt - 1
+            return await make(prompt, group_id), attempt - 1
         except RoleFailed as exc:
             if not exc.recoverable or attempt == MAX_GROUP_ATTEMPTS:
                 raise

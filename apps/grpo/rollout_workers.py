@@ -107,9 +107,7 @@ class RolloutWorker(ForgeActor):
         maker = self.maker
         assert maker is not None
         try:
-            group, regenerated = await make_with_retries(
-                lambda: maker.make(order.prompt, order.group_id), order.group_id
-            )
+            group, regenerated = await make_with_retries(maker.make, order.prompt, order.group_id)
         except RoleFailed as exc:  # a role's own failure, or a replica that did not come back
             return MadeGroup(None, str(exc), 0)
         return MadeGroup(group, None, regenerated)

@@ -320,11 +320,8 @@ class Rollouts:
     async def make_group(self, prompt: Prompt, group_id: str) -> tuple[EpisodeBatch, int]:
         """One prompt's group, and how many times it was made again (same prompt, same id) after a
         replica's death: by the maker here, or by a rollout worker (``from_worker``)."""
-        if self.workers is not None:
-            return await make_with_retries(lambda: self.from_worker(prompt, group_id), group_id)
-        maker = self.maker
-        assert maker is not None  # __init__ takes one or the other
-        return await make_with_retries(lambda: maker.make(prompt, group_id), group_id)
+        make = self.maker.make if self.workers is None and self.maker is not None else self.from_worker
+        return await make_with_retries(make, prompt, group_id)
 
     async def from_worker(self, prompt: Prompt, group_id: str) -> EpisodeBatch:
         """The group made by a rollout worker (``apps.grpo.rollout_workers``): one request per

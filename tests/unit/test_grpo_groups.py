@@ -13,7 +13,9 @@ from apps.grpo.multiturn import MultiTurnGroups
 from apps.grpo.roles import RoleFailed, Roles
 from apps.grpo.rollouts import Rollouts
 from forge.controller import ReplicaFailed
-from forge.types import Episode, EpisodeBatch
+from forge.types import Episode, EpisodeBatch, Prompt
+
+PROMPT = Prompt("p0", "1 + 1", "2")
 
 
 def _group(group_id: str) -> EpisodeBatch:
@@ -39,16 +41,16 @@ class Flaky:
         self.error = error
         self.calls = 0
 
-    async def __call__(self) -> EpisodeBatch:
+    async def __call__(self, prompt: Prompt, group_id: str) -> EpisodeBatch:
         self.calls += 1
         if self.calls <= self.failures:
             raise RoleFailed("policy", self.error)
-        return _group("g")
+        return _group(group_id)
 
 
 async def test_a_group_whose_replica_died_is_made_again_and_the_tries_are_counted() -> None:
     make = Flaky(2, ReplicaFailed("policy replica 0 died"))
-    group, regenerated = await make_with_retries(make, "g")
+    group, regenerated = await make_with_retries(make, PROMPT, "g")
     assert (make.calls, regenerated, group.group_ids) == (3, 2, ["g"])
 
 
@@ -58,11 +60,11 @@ async def test_a_roles_own_failure_is_raised_at_once_and_a_dying_replica_after_t
     monkeypatch.setattr(groups, "MAX_GROUP_ATTEMPTS", 3)  # each try waits longer for a restart: keep it short
     own = Flaky(1, ValueError("bad reward function"))
     with pytest.raises(RoleFailed, match="bad reward function"):
-        await make_with_retries(own, "g")
+        await make_with_retries(own, PROMPT, "g")
     assert own.calls == 1
     dying = Flaky(3, ReplicaFailed("policy replica 0 died"))
     with pytest.raises(RoleFailed, match="policy replica 0 died"):
-        await make_with_retries(dying, "g")
+        await make_with_retries(dying, PROMPT, "g")
     assert dying.calls == 3
 
 
