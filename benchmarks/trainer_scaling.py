@@ -111,10 +111,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     cpu_s[n].append(stats["train_cpu_s"])
                     if step == COMPARE_AFTER_STEPS:
                         after[n], _ = await call_spmd(trainer.weights)
-                episodes = batch.unpack()
-                half = len(episodes) // 2
+                first, second = batch.split([len(batch) // 2, len(batch) - len(batch) // 2])
                 stats = await asyncio.gather(
-                    halves[0].train_step.call_one(episodes[:half]), halves[1].train_step.call_one(episodes[half:])
+                    halves[0].train_step.call_one(first), halves[1].train_step.call_one(second)
                 )
                 floor_s.append(max(s["train_s"] for s in stats))
             publish: dict[int, list[float]] = {1: [], 2: []}

@@ -1,7 +1,9 @@
 """Payloads shared by the RL roles.
 
 Token ids and logprobs are tensors so that they cross process boundaries as tensors
-(``torch.save`` under Monarch), never as Python lists of floats.
+(``torch.save`` under Monarch), never as Python lists of floats. Batches of them travel packed
+(``forge.packing``): ``PackedGroup``, ``EpisodeBatch`` and ``SFTBatch`` declare their fields,
+and ``Packed`` does the rest.
 """
 
 from __future__ import annotations
@@ -10,6 +12,23 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+
+from forge.packing import Groups, Packed, per_item, per_token, shared
+
+__all__ = [
+    "Completion",
+    "Episode",
+    "EpisodeBatch",
+    "Group",
+    "Groups",
+    "PackedGroup",
+    "Prompt",
+    "SFTBatch",
+    "SFTExample",
+    "SampleRequest",
+    "TurnRequest",
+    "TurnResult",
+]
 
 
 @dataclass
@@ -47,7 +66,7 @@ class Group:
 
 
 @dataclass
-class PackedGroup:
+class PackedGroup(Packed):
     """One prompt's completions in flat tensors: what ``Policy.generate`` hands each caller.
 
     The same questions as ``Group`` (``prompt``, ``completions``, ``policy_version``), plus the
@@ -56,17 +75,14 @@ class PackedGroup:
     ``docs/benchmarks.md``). ``completions`` is made on first use only.
     """
 
-    prompt: Prompt
-    prompt_ids: torch.Tensor  # int64 [P], shared by every completion
-    token_ids: torch.Tensor  # int64 [sum T], completion after completion
-    logprobs: torch.Tensor  # float32 [sum T]
-    response_lens: list[int]
-    texts: list[str]
-    finish_reasons: list[str]
-    policy_version: int
-
-    def __len__(self) -> int:
-        return len(self.response_lens)
+    prompt: Prompt = shared()
+    prompt_ids: torch.Tensor = shared()  # int64 [P], shared by every completion
+    token_ids: torch.Tensor = per_token("response_lens", torch.long)  # completion after completion
+    logprobs: torch.Tensor = per_token("response_lens", torch.float32)
+    response_lens: list[int] = per_item()
+    texts: list[str] = per_item()
+    finish_reasons: list[str] = per_item()
+    policy_version: int = shared()
 
     @classmethod
     def of(cls, group: Group | PackedGroup) -> PackedGroup:
@@ -74,29 +90,24 @@ class PackedGroup:
         if isinstance(group, PackedGroup):
             return group
         completions = group.completions
-        if not completions:  # packed as it is: the caller's count check names the policy
-            empty = torch.zeros(0, dtype=torch.long)
-            return cls(group.prompt, empty, empty, torch.zeros(0), [], [], [], 0)
-        return cls(
+        return cls.build(
             prompt=group.prompt,
-            prompt_ids=completions[0].prompt_ids,
-            token_ids=torch.cat([c.token_ids for c in completions]),
-            logprobs=torch.cat([c.logprobs for c in completions]),
-            response_lens=[int(c.token_ids.numel()) for c in completions],
+            # No completions: packed as it is; the caller's count check names the policy.
+            prompt_ids=completions[0].prompt_ids if completions else torch.zeros(0, dtype=torch.long),
+            token_ids=[c.token_ids for c in completions],
+            logprobs=[c.logprobs for c in completions],
             texts=[c.text for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
-            policy_version=group.policy_version,
+            policy_version=group.policy_version if completions else 0,
         )
 
     @functools.cached_property
     def completions(self) -> list[Completion]:
-        from forge.controller.wire import split_for_wire
-
-        tokens = split_for_wire(self.token_ids, self.response_lens)
-        logprobs = split_for_wire(self.logprobs, self.response_lens)
         return [
             Completion(self.prompt_ids, t, lp, text, self.policy_version, reason)
-            for t, lp, text, reason in zip(tokens, logprobs, self.texts, self.finish_reasons)
+            for t, lp, text, reason in zip(
+                self.pieces("token_ids"), self.pieces("logprobs"), self.texts, self.finish_reasons
+            )
         ]
 
 
@@ -120,39 +131,29 @@ class Episode:
     ``max_tokens``; ``trainer.mask_truncated`` leaves such episodes out of the loss)."""
 
 
-def _split(flat: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-    """Per-item pieces that may each be sent on alone (``forge.controller.wire.split_for_wire``)."""
-    from forge.controller.wire import split_for_wire
-
-    return split_for_wire(flat, lengths.tolist())
-
-
 @dataclass
-class EpisodeBatch:
-    """Many episodes packed into flat tensors: the form in which episodes travel.
+class EpisodeBatch(Packed):
+    """Many episodes packed into flat tensors: the form in which episodes travel, and the one
+    type a trainer step takes (it slices the batch by rank and micro-batch, never unpacking it).
 
-    Monarch serialises every tensor of a message separately, at a fixed cost per tensor (send
-    and receive; ``docs/benchmarks.md``), so 128 ``Episode`` objects are 512 tensors per hop;
-    packed, the same episodes are ten tensors. ``pack``/``unpack`` convert; ``concat`` joins batches (e.g. the
-    groups of one training step). Per-token fields are concatenated in episode order and split
-    by ``prompt_lens``/``response_lens``.
+    ``pack``/``unpack`` convert from and to ``Episode``s; ``concat`` joins batches (e.g. the
+    groups of one training step), ``split``/``rows`` cut them.
     """
 
-    group_ids: list[str]
-    prompt_ids: torch.Tensor  # int64 [sum P]
-    prompt_lens: torch.Tensor  # int64 [B]
-    response_ids: torch.Tensor  # int64 [sum T]
-    response_lens: torch.Tensor  # int64 [B]
-    behaviour_logprobs: torch.Tensor  # float32 [sum T]
-    ref_logprobs: torch.Tensor  # float32 [sum T]
-    rewards: torch.Tensor  # float32 [B]
-    advantages: torch.Tensor  # float32 [B]
-    policy_versions: torch.Tensor  # int64 [B]
-    loss_mask: torch.Tensor | None = None  # bool [sum T]; None: every response token is trained
-    finish_reasons: list[str] | None = None  # [B]; None: all "stop"
-
-    def __len__(self) -> int:
-        return len(self.group_ids)
+    group_ids: list[str] = per_item()
+    prompt_ids: torch.Tensor = per_token("prompt_lens", torch.long)
+    prompt_lens: torch.Tensor = per_item(torch.long)
+    response_ids: torch.Tensor = per_token("response_lens", torch.long)
+    response_lens: torch.Tensor = per_item(torch.long)
+    behaviour_logprobs: torch.Tensor = per_token("response_lens", torch.float32)
+    ref_logprobs: torch.Tensor = per_token("response_lens", torch.float32)
+    rewards: torch.Tensor = per_item(torch.float32)
+    advantages: torch.Tensor = per_item(torch.float32)
+    policy_versions: torch.Tensor = per_item(torch.long)
+    loss_mask: torch.Tensor | None = per_token("response_lens", torch.bool, fill=True)
+    """The response tokens the loss trains on; None: every one."""
+    finish_reasons: list[str] | None = per_item(fill="stop")
+    """None: all ``stop``."""
 
     @property
     def policy_version(self) -> int:
@@ -163,18 +164,16 @@ class EpisodeBatch:
     def pack(cls, episodes: list[Episode]) -> EpisodeBatch:
         if not episodes:
             raise ValueError("EpisodeBatch.pack needs at least one episode")
-        return cls(
+        return cls.build(
             group_ids=[e.group_id for e in episodes],
-            prompt_ids=torch.cat([e.prompt_ids.long() for e in episodes]),
-            prompt_lens=torch.tensor([e.prompt_ids.numel() for e in episodes], dtype=torch.long),
-            response_ids=torch.cat([e.response_ids.long() for e in episodes]),
-            response_lens=torch.tensor([e.response_ids.numel() for e in episodes], dtype=torch.long),
-            behaviour_logprobs=torch.cat([e.behaviour_logprobs.float() for e in episodes]),
-            ref_logprobs=torch.cat([e.ref_logprobs.float() for e in episodes]),
-            rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
-            advantages=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
-            policy_versions=torch.tensor([e.policy_version for e in episodes], dtype=torch.long),
-            loss_mask=_joined_masks([e.loss_mask for e in episodes], [e.response_ids.numel() for e in episodes]),
+            prompt_ids=[e.prompt_ids for e in episodes],
+            response_ids=[e.response_ids for e in episodes],
+            behaviour_logprobs=[e.behaviour_logprobs for e in episodes],
+            ref_logprobs=[e.ref_logprobs for e in episodes],
+            rewards=[e.reward for e in episodes],
+            advantages=[e.advantage for e in episodes],
+            policy_versions=[e.policy_version for e in episodes],
+            loss_mask=[e.loss_mask for e in episodes],
             finish_reasons=[e.finish_reason for e in episodes],
         )
 
@@ -211,111 +210,24 @@ class EpisodeBatch:
             finish_reasons=list(group.finish_reasons),
         )
 
-    @classmethod
-    def concat(cls, batches: list[EpisodeBatch]) -> EpisodeBatch:
-        if not batches:
-            raise ValueError("EpisodeBatch.concat needs at least one batch")
-        cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731
-        return cls(
-            group_ids=[g for b in batches for g in b.group_ids],
-            **{
-                name: cat(name)
-                for name in (
-                    "prompt_ids",
-                    "prompt_lens",
-                    "response_ids",
-                    "response_lens",
-                    "behaviour_logprobs",
-                    "ref_logprobs",
-                    "rewards",
-                    "advantages",
-                    "policy_versions",
-                )
-            },
-            loss_mask=_joined_masks([b.loss_mask for b in batches], [int(b.response_lens.sum()) for b in batches]),
-            finish_reasons=[r for b in batches for r in (b.finish_reasons or ["stop"] * len(b))],
-        )
-
-    def split(self, sizes: list[int]) -> list[EpisodeBatch]:
-        """Consecutive batches of ``sizes`` episodes each (the inverse of ``concat``); each piece
-        can be sent on alone without carrying the others' storage (``forge.controller.wire.for_wire``:
-        views where the fast tensor path sends only a view's elements, else copies)."""
-        from forge.controller.wire import for_wire
-
-        if any(n < 1 for n in sizes) or sum(sizes) != len(self):
-            raise ValueError(f"split sizes {sizes} must be positive and add up to the batch's {len(self)} episodes")
-        bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
-        prompt_at = torch.cat([torch.zeros(1, dtype=torch.long), self.prompt_lens.cumsum(0)]).tolist()
-        response_at = torch.cat([torch.zeros(1, dtype=torch.long), self.response_lens.cumsum(0)]).tolist()
-        pieces = []
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            p0, p1, r0, r1 = prompt_at[a], prompt_at[b], response_at[a], response_at[b]
-            pieces.append(
-                EpisodeBatch(
-                    group_ids=self.group_ids[a:b],
-                    prompt_ids=for_wire(self.prompt_ids[p0:p1]),
-                    prompt_lens=for_wire(self.prompt_lens[a:b]),
-                    response_ids=for_wire(self.response_ids[r0:r1]),
-                    response_lens=for_wire(self.response_lens[a:b]),
-                    behaviour_logprobs=for_wire(self.behaviour_logprobs[r0:r1]),
-                    ref_logprobs=for_wire(self.ref_logprobs[r0:r1]),
-                    rewards=for_wire(self.rewards[a:b]),
-                    advantages=for_wire(self.advantages[a:b]),
-                    policy_versions=for_wire(self.policy_versions[a:b]),
-                    loss_mask=for_wire(self.loss_mask[r0:r1]) if self.loss_mask is not None else None,
-                    finish_reasons=self.finish_reasons[a:b] if self.finish_reasons is not None else None,
-                )
-            )
-        return pieces
-
     def unpack(self) -> list[Episode]:
-        prompts = _split(self.prompt_ids, self.prompt_lens)
-        responses = _split(self.response_ids, self.response_lens)
-        behaviour = _split(self.behaviour_logprobs, self.response_lens)
-        reference = _split(self.ref_logprobs, self.response_lens)
-        masks = _split(self.loss_mask, self.response_lens) if self.loss_mask is not None else [None] * len(self)
+        masks = self.pieces("loss_mask") if self.loss_mask is not None else [None] * len(self)
         reasons = self.finish_reasons or ["stop"] * len(self)
         return [
-            Episode(
-                group_id=self.group_ids[i],
-                prompt_ids=prompts[i],
-                response_ids=responses[i],
-                behaviour_logprobs=behaviour[i],
-                ref_logprobs=reference[i],
-                reward=float(self.rewards[i]),
-                advantage=float(self.advantages[i]),
-                policy_version=int(self.policy_versions[i]),
-                loss_mask=masks[i],
-                finish_reason=reasons[i],
+            Episode(group_id, prompt, response, behaviour, reference, reward, advantage, version, mask, reason)
+            for group_id, prompt, response, behaviour, reference, reward, advantage, version, mask, reason in zip(
+                self.group_ids,
+                self.pieces("prompt_ids"),
+                self.pieces("response_ids"),
+                self.pieces("behaviour_logprobs"),
+                self.pieces("ref_logprobs"),
+                self.rewards.tolist(),
+                self.advantages.tolist(),
+                self.policy_versions.tolist(),
+                masks,
+                reasons,
             )
-            for i in range(len(self))
         ]
-
-
-@dataclass
-class EpisodeGroups:
-    """Several groups (each an ``EpisodeBatch``) as one batch and each group's size: how a list
-    of groups crosses a process. Sent as a list, every group costs Monarch its ten tensors (64
-    groups: 640 tensors, most of the controller's CPU in a tiny run); packed, the list costs ten.
-    """
-
-    batch: EpisodeBatch
-    sizes: list[int]
-
-    @classmethod
-    def pack(cls, groups: list[EpisodeBatch]) -> EpisodeGroups:
-        return cls(EpisodeBatch.concat(groups), [len(g) for g in groups])
-
-    def unpack(self) -> list[EpisodeBatch]:
-        return self.batch.split(self.sizes)
-
-
-def _joined_masks(masks: list[torch.Tensor | None], lengths: list[int]) -> torch.Tensor | None:
-    """One flat loss mask for pieces of these lengths (all-true where a piece has none); None
-    if no piece has one, so single-turn batches carry no extra tensor."""
-    if all(m is None for m in masks):
-        return None
-    return torch.cat([m.bool() if m is not None else torch.ones(n, dtype=torch.bool) for m, n in zip(masks, lengths)])
 
 
 @dataclass(frozen=True)
@@ -363,31 +275,20 @@ class SFTExample:
 
 
 @dataclass
-class SFTBatch:
+class SFTBatch(Packed):
     """Many ``SFTExample``s in four flat tensors, the form in which a step's examples travel to the
-    trainer (one tensor per field, not two per example: see ``EpisodeBatch``)."""
+    trainer (one tensor per field, not two per example)."""
 
-    prompt_ids: torch.Tensor  # int64 [sum P]
-    prompt_lens: torch.Tensor  # int64 [B]
-    answer_ids: torch.Tensor  # int64 [sum A]
-    answer_lens: torch.Tensor  # int64 [B]
-
-    def __len__(self) -> int:
-        return int(self.prompt_lens.numel())
+    prompt_ids: torch.Tensor = per_token("prompt_lens", torch.long)
+    prompt_lens: torch.Tensor = per_item(torch.long)
+    answer_ids: torch.Tensor = per_token("answer_lens", torch.long)
+    answer_lens: torch.Tensor = per_item(torch.long)
 
     @classmethod
     def pack(cls, examples: list[SFTExample]) -> SFTBatch:
         if not examples:
             raise ValueError("SFTBatch.pack needs at least one example")
-        return cls(
-            prompt_ids=torch.cat([e.prompt_ids.long() for e in examples]),
-            prompt_lens=torch.tensor([e.prompt_ids.numel() for e in examples], dtype=torch.long),
-            answer_ids=torch.cat([e.answer_ids.long() for e in examples]),
-            answer_lens=torch.tensor([e.answer_ids.numel() for e in examples], dtype=torch.long),
-        )
+        return cls.build(prompt_ids=[e.prompt_ids for e in examples], answer_ids=[e.answer_ids for e in examples])
 
     def unpack(self) -> list[SFTExample]:
-        return [
-            SFTExample(p, a)
-            for p, a in zip(_split(self.prompt_ids, self.prompt_lens), _split(self.answer_ids, self.answer_lens))
-        ]
+        return [SFTExample(p, a) for p, a in zip(self.pieces("prompt_ids"), self.pieces("answer_ids"))]

@@ -3,7 +3,7 @@
 With ``rollout.workers`` the controller keeps the prompts, the group ids and every book
 (backpressure, dynamic sampling, the buffer's writes, exactly-once accounting) and sends each
 group's prompt to a worker as one ``GroupOrder``. The worker answers a batch of orders with
-one ``MadeGroups``: the groups it made packed into one ``EpisodeGroups`` (ten tensors for the
+one ``MadeGroups``: the groups it made packed into one ``Groups`` (ten tensors for the
 whole batch), and per order the error that stopped it, if any, and the tries it made after a
 replica's death. The service's debatch hands each caller its ``MadeGroup``.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from forge.types import EpisodeBatch, EpisodeGroups, Prompt
+from forge.types import EpisodeBatch, Groups, Prompt
 
 __all__ = ["GroupOrder", "MadeGroup", "MadeGroups"]
 
@@ -40,7 +40,7 @@ class MadeGroup:
 class MadeGroups:
     """A batch of orders' outcomes, the groups packed; ``errors`` and ``regenerated`` per order."""
 
-    groups: EpisodeGroups | None
+    groups: Groups[EpisodeBatch] | None
     errors: list[str | None]
     regenerated: list[int]
 
@@ -48,7 +48,7 @@ class MadeGroups:
     def pack(cls, outcomes: list[MadeGroup]) -> MadeGroups:
         made = [o.group for o in outcomes if o.group is not None]
         return cls(
-            EpisodeGroups.pack(made) if made else None,
+            Groups.pack(made) if made else None,
             [o.error for o in outcomes],
             [o.regenerated for o in outcomes],
         )

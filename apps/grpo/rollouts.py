@@ -21,7 +21,7 @@ from forge.checks import check_int
 from forge.controller import Batcher, Batching
 from forge.losses import rewards_uniform as uniform
 from forge.observability import record_metric
-from forge.types import EpisodeBatch, EpisodeGroups, Prompt
+from forge.types import EpisodeBatch, Groups, Prompt
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
@@ -308,7 +308,7 @@ class Rollouts:
 
     async def _add_many(self, groups: list[Any], key: Any) -> list[bool]:
         """The buffer writer's executor: one message for every group that finished meanwhile."""
-        return await call_role("buffer", self.roles.buffer.add_many.call_one(EpisodeGroups.pack(groups)))
+        return await call_role("buffer", self.roles.buffer.add_many.call_one(Groups.pack(groups)))
 
     async def _produce(self) -> Any:
         """The next prompt's group: made here or, with ``rollout.workers``, by a worker."""

@@ -37,12 +37,13 @@ from typing import Any
 import torch
 
 from forge.controller import Batching, ForgeActor, endpoint
-from forge.controller.wire import split_for_wire
 from forge.generation.adapter_inbox import AdapterInbox
 from forge.generation.lora import serving_rank
 from forge.models.lora import LoraSettings
 from forge.observability import record_metric
+from forge.packing import Packed, per_item, per_token, shared
 from forge.types import Completion, PackedGroup, Prompt, SampleRequest, TurnRequest, TurnResult
+from forge.wire import split_for_wire
 
 __all__ = [
     "PackedGroups",
@@ -144,83 +145,80 @@ def prompt_key(prompt: Prompt) -> str:
 
 
 @dataclass
-class PackedGroups:
+class PackedGroups(Packed):
     """One batch's groups in a few flat tensors, as they travel back from the replica.
 
     Monarch serialises each tensor of a message separately, at a fixed cost per tensor: a batch
     of 16 prompts x 8 completions as ``Completion`` objects is 384 tensors, a large share of the
-    tiny model's generation time (``docs/benchmarks.md``); packed it is three. The service unpacks it into
+    tiny model's generation time (``docs/benchmarks.md``); packed it is three. Its items are the
+    completions, prompt after prompt; the prompts are shared. The service unpacks it into
     ``PackedGroup``s (the endpoint's ``debatch``), so callers of ``generate.route`` never see it.
     """
 
-    prompts: list[Prompt]
-    group_size: int
-    prompt_lens: list[int]  # per prompt
-    prompt_ids: torch.Tensor  # int64 [sum of prompt lengths]
-    response_lens: list[int]  # per completion, prompt-major
-    token_ids: torch.Tensor  # int64 [sum of response lengths]
-    logprobs: torch.Tensor  # float32 [sum of response lengths]
-    texts: list[str]
-    finish_reasons: list[str]
-    policy_version: int
+    prompts: list[Prompt] = shared()
+    group_size: int = shared()
+    prompt_lens: list[int] = shared()  # per prompt
+    prompt_ids: torch.Tensor = shared()  # int64 [sum of prompt lengths]
+    response_lens: list[int] = per_item()  # per completion, prompt-major
+    token_ids: torch.Tensor = per_token("response_lens", torch.long)
+    logprobs: torch.Tensor = per_token("response_lens", torch.float32)
+    texts: list[str] = per_item()
+    finish_reasons: list[str] = per_item()
+    policy_version: int = shared()
 
     @classmethod
     def pack(
         cls, prompts: list[Prompt], outputs: list[list[Completion]], group_size: int, version: int
     ) -> PackedGroups:
         flat = [c for group in outputs for c in group]
-        return cls(
+        return cls.build(
             prompts=prompts,
             group_size=group_size,
             prompt_lens=[int(g[0].prompt_ids.numel()) for g in outputs],
             prompt_ids=torch.cat([g[0].prompt_ids for g in outputs]),
-            response_lens=[int(c.token_ids.numel()) for c in flat],
-            token_ids=torch.cat([c.token_ids for c in flat]),
-            logprobs=torch.cat([c.logprobs for c in flat]),
+            token_ids=[c.token_ids for c in flat],
+            logprobs=[c.logprobs for c in flat],
             texts=[c.text for c in flat],
             finish_reasons=[c.finish_reason for c in flat],
             policy_version=version,
         )
 
     def unpack(self) -> list[PackedGroup]:
-        """One ``PackedGroup`` per prompt: three tensor slices each, no per-completion objects."""
-        k = self.group_size
-        group_lens = [sum(self.response_lens[i * k : (i + 1) * k]) for i in range(len(self.prompts))]
+        """One ``PackedGroup`` per prompt: slices of the flat tensors, no per-completion objects."""
         prompt_ids = split_for_wire(self.prompt_ids, self.prompt_lens)
-        tokens = split_for_wire(self.token_ids, group_lens)
-        logprobs = split_for_wire(self.logprobs, group_lens)
+        groups = self.split([self.group_size] * len(self.prompts))
         return [
             PackedGroup(
-                prompt=prompt,
-                prompt_ids=prompt_ids[i],
-                token_ids=tokens[i],
-                logprobs=logprobs[i],
-                response_lens=self.response_lens[i * k : (i + 1) * k],
-                texts=self.texts[i * k : (i + 1) * k],
-                finish_reasons=self.finish_reasons[i * k : (i + 1) * k],
-                policy_version=self.policy_version,
+                prompt,
+                prompt_ids[i],
+                g.token_ids,
+                g.logprobs,
+                g.response_lens,
+                g.texts,
+                g.finish_reasons,
+                g.policy_version,
             )
-            for i, prompt in enumerate(self.prompts)
+            for i, (prompt, g) in enumerate(zip(self.prompts, groups))
         ]
 
 
 @dataclass
-class PackedTurns:
+class PackedTurns(Packed):
     """One batch of multi-turn turns in flat tensors (two per batch, not two per turn)."""
 
-    lens: list[int]
-    token_ids: torch.Tensor  # int64 [sum of lengths]
-    logprobs: torch.Tensor  # float32 [sum of lengths]
-    texts: list[str]
-    finish_reasons: list[str]
-    policy_version: int
+    lens: list[int] = per_item()
+    token_ids: torch.Tensor = per_token("lens", torch.long)
+    logprobs: torch.Tensor = per_token("lens", torch.float32)
+    texts: list[str] = per_item()
+    finish_reasons: list[str] = per_item()
+    policy_version: int = shared()
 
     def unpack(self) -> list[TurnResult]:
-        tokens = split_for_wire(self.token_ids, self.lens)
-        logprobs = split_for_wire(self.logprobs, self.lens)
         return [
-            TurnResult(tokens[i], logprobs[i], self.texts[i], self.policy_version, self.finish_reasons[i])
-            for i in range(len(self.lens))
+            TurnResult(tokens, logprobs, text, self.policy_version, reason)
+            for tokens, logprobs, text, reason in zip(
+                self.pieces("token_ids"), self.pieces("logprobs"), self.texts, self.finish_reasons
+            )
         ]
 
 
@@ -307,10 +305,9 @@ class Policy(ForgeActor):
         the part of it that this replica computed on an earlier turn is not computed again.
         """
         samples = [group[0] for group in await self._sample([r.history_ids for r in requests], 1, "policy/turn_batch")]
-        return PackedTurns(
-            lens=[int(c.token_ids.numel()) for c in samples],
-            token_ids=torch.cat([c.token_ids for c in samples]),
-            logprobs=torch.cat([c.logprobs for c in samples]),
+        return PackedTurns.build(
+            token_ids=[c.token_ids for c in samples],
+            logprobs=[c.logprobs for c in samples],
             texts=[c.text for c in samples],
             finish_reasons=[c.finish_reason for c in samples],
             policy_version=self.engine.version,

@@ -39,14 +39,14 @@ from dataclasses import dataclass
 import torch
 
 from forge.controller import Batching, ForgeActor, endpoint
-from forge.controller.wire import split_for_wire
 from forge.distributed import SpmdRank, gather_objects, init_spmd, local_state_bytes, shard_model, shutdown_spmd
 from forge.models import forward_padding_fraction, sequence_logprobs
 from forge.observability import record_metric
+from forge.packing import Groups, Packed, per_item, per_token
+from forge.wire import split_for_wire
 
 __all__ = [
     "TOKEN_BUDGET",
-    "PackedGroupPairs",
     "PackedPairs",
     "ReferenceConfig",
     "ReferenceModel",
@@ -54,6 +54,7 @@ __all__ = [
     "group_bucket",
     "group_tokens",
     "length_bucket",
+    "pack_response_groups",
     "pair_tokens",
 ]
 
@@ -109,48 +110,35 @@ def group_bucket(group: ResponseGroup) -> int:
 
 
 @dataclass
-class PackedPairs:
-    """A batch of (prompt_ids, response_ids) pairs in flat tensors (four tensors, not 2 per
-    pair: Monarch serialises each tensor separately). The service packs singletons into it
-    (``enbatch``) and splits the flat logprobs back per caller (``debatch``)."""
+class PackedPairs(Packed):
+    """A batch of (prompt_ids, response_ids) pairs in flat tensors (two tensors, not 2 per pair:
+    Monarch serialises each tensor separately). The service packs singletons into it
+    (``enbatch``) and splits the flat logprobs back per caller (``debatch``); a batch of whole
+    groups is a ``Groups`` of it (``pack_response_groups``)."""
 
-    prompt_ids: torch.Tensor  # int64 [sum P]
-    prompt_lens: list[int]
-    response_ids: torch.Tensor  # int64 [sum T]
-    response_lens: list[int]
+    prompt_ids: torch.Tensor = per_token("prompt_lens", torch.long)
+    prompt_lens: list[int] = per_item()
+    response_ids: torch.Tensor = per_token("response_lens", torch.long)
+    response_lens: list[int] = per_item()
 
     @classmethod
     def pack(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> PackedPairs:
-        return cls(
-            prompt_ids=torch.cat([p.long() for p, _ in pairs]),
-            prompt_lens=[int(p.numel()) for p, _ in pairs],
-            response_ids=torch.cat([r.long() for _, r in pairs]),
-            response_lens=[int(r.numel()) for _, r in pairs],
-        )
+        return cls.build(prompt_ids=[p for p, _ in pairs], response_ids=[r for _, r in pairs])
 
     def unpack(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return list(torch.split(self.prompt_ids, self.prompt_lens)), list(
-            torch.split(self.response_ids, self.response_lens)
-        )
+        return self.pieces("prompt_ids"), self.pieces("response_ids")
 
 
-@dataclass
-class PackedGroupPairs:
-    """A batch of groups as one ``PackedPairs`` (every group's pairs, group after group) and each
-    group's number of responses, to split the logprobs back per group."""
-
-    pairs: PackedPairs
-    group_sizes: list[int]
-
-    @classmethod
-    def pack(cls, groups: list[ResponseGroup]) -> PackedGroupPairs:
-        pairs = PackedPairs(
-            prompt_ids=torch.cat([g.prompt_ids.long().repeat(len(g)) for g in groups]),
-            prompt_lens=[int(g.prompt_ids.numel()) for g in groups for _ in range(len(g))],
-            response_ids=torch.cat([g.response_ids.long() for g in groups]),
-            response_lens=[n for g in groups for n in g.response_lens],
-        )
-        return cls(pairs, [len(g) for g in groups])
+def pack_response_groups(groups: list[ResponseGroup]) -> Groups[PackedPairs]:
+    """Every group's pairs as one ``PackedPairs``, group after group (each group's prompt once
+    per response, its responses as they are), and each group's number of responses."""
+    pairs = PackedPairs(
+        prompt_ids=torch.cat([g.prompt_ids.long().repeat(len(g)) for g in groups]),
+        prompt_lens=[int(g.prompt_ids.numel()) for g in groups for _ in range(len(g))],
+        response_ids=torch.cat([g.response_ids.long() for g in groups]),
+        response_lens=[n for g in groups for n in g.response_lens],
+    )
+    return Groups(pairs, [len(g) for g in groups])
 
 
 @dataclass(kw_only=True)
@@ -205,9 +193,9 @@ class ReferenceModel(ForgeActor):
         return split_for_wire(flat, lengths)
 
     @staticmethod
-    def pack_groups(groups: list[ResponseGroup]) -> PackedGroupPairs:
-        """``logprobs_groups``' enbatch: the callers' groups -> one ``PackedGroupPairs``."""
-        return PackedGroupPairs.pack(groups)
+    def pack_groups(groups: list[ResponseGroup]) -> Groups[PackedPairs]:
+        """``logprobs_groups``' enbatch: the callers' groups -> one ``Groups`` of pairs."""
+        return pack_response_groups(groups)
 
     @staticmethod
     def split_group_logprobs(result: tuple[torch.Tensor, list[int], list[int]], n: int) -> list[torch.Tensor]:
@@ -232,7 +220,7 @@ class ReferenceModel(ForgeActor):
         )
     )
     async def logprobs_groups(
-        self, groups: PackedGroupPairs | list[ResponseGroup]
+        self, groups: Groups[PackedPairs] | list[ResponseGroup]
     ) -> tuple[torch.Tensor, list[int], list[int]]:
         """``logprobs`` of whole groups: each item is one prompt's ids and its responses
         (``ResponseGroup``).
@@ -240,10 +228,10 @@ class ReferenceModel(ForgeActor):
         Returns the logprobs flat with the response lengths and each group's size; through the
         service each caller gets its group's logprobs as one flat tensor, response after response.
         """
-        if not isinstance(groups, PackedGroupPairs):
-            groups = PackedGroupPairs.pack(groups)
-        flat, lengths = self._logprobs(groups.pairs)
-        return flat, lengths, groups.group_sizes
+        if not isinstance(groups, Groups):
+            groups = pack_response_groups(groups)
+        flat, lengths = self._logprobs(groups.batch)
+        return flat, lengths, groups.sizes
 
     @endpoint(
         batch=Batching(

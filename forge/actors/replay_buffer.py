@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from forge.checks import check_int
 from forge.controller import ForgeActor, endpoint
-from forge.types import EpisodeBatch, EpisodeGroups
+from forge.types import EpisodeBatch, Groups
 
 __all__ = ["BufferStats", "GroupBuffer", "ReplayBuffer", "Sample", "group_version"]
 
@@ -71,14 +71,14 @@ class Sample:
     stats: BufferStats | None = None
 
     def __getstate__(self) -> dict:
-        # The groups travel as one batch (``EpisodeGroups``): ten tensors, not ten per group.
+        # The groups travel as one batch (``Groups``): ten tensors, not ten per group.
         state = dict(self.__dict__)
         if self.groups:
-            state["groups"] = EpisodeGroups.pack(self.groups)
+            state["groups"] = Groups.pack(self.groups)
         return state
 
     def __setstate__(self, state: dict) -> None:
-        if isinstance(state.get("groups"), EpisodeGroups):
+        if isinstance(state.get("groups"), Groups):
             state = {**state, "groups": state["groups"].unpack()}
         self.__dict__.update(state)
 
@@ -169,10 +169,10 @@ class ReplayBuffer(ForgeActor):
         return len(self.buffer)
 
     @endpoint
-    async def add_many(self, groups: list[EpisodeBatch] | EpisodeGroups) -> list[bool]:
-        """Store several groups (one message for all; ``EpisodeGroups`` packs them into ten
+    async def add_many(self, groups: list[EpisodeBatch] | Groups[EpisodeBatch]) -> list[bool]:
+        """Store several groups (one message for all; ``Groups`` packs them into ten
         tensors); per group, whether it was stored (False: a duplicate ``group_id``, refused)."""
-        if isinstance(groups, EpisodeGroups):
+        if isinstance(groups, Groups):
             groups = groups.unpack()
         return [self.buffer.add(group) for group in groups]
 

@@ -43,21 +43,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from forge import checkpoint
-from forge.actors.trainer_batches import (
-    batch_logprobs,
-    chunks,
-    counts,
-    forward_token_counts,
-    pair_logprobs,
-    token_loss_mask,
-)
+from forge.actors.trainer_batches import batch_logprobs, counts, forward_token_counts, pair_logprobs
 from forge.actors.trainer_config import GRPOLossSettings, OptimizerSettings, TrainerConfig, TrainerSettings
 from forge.controller import ForgeActor, endpoint
 from forge.distributed import (
@@ -73,9 +66,10 @@ from forge.distributed import (
 )
 from forge.losses import grpo_loss, sft_loss, trainable_lengths
 from forge.losses.grpo import LOSS_NORMALISERS
-from forge.models import PaddedBatch, pack_right_padded
+from forge.models import PaddedBatch, right_pad
 from forge.models.export import TIED_HEAD, write_hf_folder
-from forge.types import Episode, EpisodeBatch, SFTBatch, SFTExample
+from forge.packing import Packed
+from forge.types import EpisodeBatch, SFTBatch
 
 if TYPE_CHECKING:
     from forge.actors.trainer_lora import AdapterFolders
@@ -89,6 +83,24 @@ logger = logging.getLogger("forge.trainer")
 # Statistics that are means over tokens; ``*_max`` ones are maxima; the rest (``loss``,
 # ``pg_loss``, ``kl_loss``) are normalised like the loss, as ``loss_type`` says.
 _TOKEN_MEANS = frozenset({"kl", "clip_fraction", "ratio_mean", "mismatch_mean"})
+
+B = TypeVar("B", bound=Packed)  # a step's batch: EpisodeBatch (GRPO) or SFTBatch (SFT, eval)
+
+
+def _check_batch(batch: Any, kind: type[Packed], endpoint_name: str, how: str) -> None:
+    """A clear error for a step's batch of the wrong type, empty, or whose fields disagree."""
+    if not isinstance(batch, kind):
+        raise TypeError(f"Trainer.{endpoint_name} takes one {kind.__name__} ({how}), got {type(batch).__name__}")
+    if len(batch) == 0:
+        raise ValueError(f"Trainer.{endpoint_name} needs at least one example, got none")
+    batch.check()
+
+
+def _laid_out(flat: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """A flat per-response-token tensor laid out like ``response_mask`` [B, L-1] (zeros elsewhere)."""
+    laid_out = torch.zeros(response_mask.shape, dtype=flat.dtype)
+    laid_out[response_mask] = flat
+    return laid_out
 
 
 class Trainer(ForgeActor):
@@ -136,55 +148,54 @@ class Trainer(ForgeActor):
         self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
     @endpoint
-    async def train_step(self, batch: EpisodeBatch | list[Episode]) -> dict[str, float]:
+    async def train_step(self, batch: EpisodeBatch) -> dict[str, float]:
         """One GRPO optimizer step on the batch (this rank trains on its slice); returns the
         global loss statistics and the new version."""
-        episodes = batch.unpack() if isinstance(batch, EpisodeBatch) else list(batch)
-        return self._step(episodes, self._pack, self._loss, LOSS_NORMALISERS[self.config.loss_type])
+        _check_batch(batch, EpisodeBatch, "train_step", "EpisodeBatch.pack(episodes)")
+        return self._step(batch, self._pack, self._loss, LOSS_NORMALISERS[self.config.loss_type])
 
     @endpoint
     async def sft_step(self, batch: SFTBatch) -> dict[str, float]:
         """One supervised optimizer step: the mean negative log-likelihood of every answer token
         of the batch (prompt tokens are masked out), at temperature 1. Returns ``loss`` (that
         mean), ``tokens`` and the step's other statistics, as ``train_step``."""
-        return self._step(batch.unpack(), self._pack_sft, self._sft_loss, "tokens")
+        _check_batch(batch, SFTBatch, "sft_step", "SFTBatch.pack(examples)")
+        return self._step(batch, self._pack_sft, self._sft_loss, "tokens")
 
     @endpoint
     async def eval_loss(self, batch: SFTBatch) -> dict[str, float]:
         """The mean negative log-likelihood of the answer tokens of ``batch`` (held-out data), in
         micro-batches, without a gradient or a step: ``{"loss": ..., "tokens": ...}``."""
-        examples = batch.unpack()
-        mine, size = self._my_share(examples)
+        _check_batch(batch, SFTBatch, "eval_loss", "SFTBatch.pack(examples)")
         total = tokens = 0.0
         self.model.eval()
         with torch.no_grad():
-            for chunk in chunks(mine, size):
-                packed = self._pack_sft(chunk)
-                loss, _ = self._sft_loss(chunk, packed)
+            for micro in self._my_micro_batches(batch):
+                packed = self._pack_sft(micro)
+                loss, _ = self._sft_loss(micro, packed)
                 n = float(packed.loss_mask.sum())
                 total, tokens = total + float(loss) * n, tokens + n
         self.model.train()
         sums = all_reduce_sum({"nll": total, "tokens": tokens}, self.rank)
         return {"loss": sums["nll"] / max(sums["tokens"], 1.0), "tokens": sums["tokens"]}
 
-    def _my_share(self, items: Sequence[Any]) -> tuple[list[Any], int]:
-        """This rank's equal slice of a step's items, and the micro-batch size."""
+    def _my_micro_batches(self, batch: B) -> list[B]:
+        """This rank's equal slice of a step's batch, in micro-batches of ``micro_batch_size``
+        (views of the flat tensors: nothing is unpacked or copied)."""
         world, rank = self.rank.world_size, self.rank.rank
-        if not items:
-            raise ValueError("a step needs at least one example, got none")
-        if len(items) % world:
+        if len(batch) % world:
             raise ValueError(
-                f"a step got {len(items)} examples, which {world} ranks cannot split evenly; "
+                f"a step got {len(batch)} examples, which {world} ranks cannot split evenly; "
                 "send a multiple of the trainer's ranks (procs x hosts)"
             )
-        share = len(items) // world
-        return list(items[rank * share : (rank + 1) * share]), self.config.micro_batch_size or share
+        share = len(batch) // world
+        return batch.rows(rank * share, (rank + 1) * share).chunks(self.config.micro_batch_size or share)
 
     def _step(
         self,
-        items: Sequence[Any],
-        pack: Callable[[list[Any]], PaddedBatch],
-        loss_fn: Callable[[list[Any], PaddedBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+        batch: B,
+        pack: Callable[[B], PaddedBatch],
+        loss_fn: Callable[[B, PaddedBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]],
         normaliser: str,
     ) -> dict[str, float]:
         """One optimizer step of any loss: this rank's slice in micro-batches, each micro-batch's
@@ -192,17 +203,17 @@ class Trainer(ForgeActor):
         sum over micro-batches and ranks is the loss one rank would compute on the whole batch."""
         cfg = self.config
         t0, cpu0 = time.perf_counter(), time.process_time()
-        mine, size = self._my_share(items)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         # Every rank runs the same number of micro-batches: FSDP's collectives must pair up.
-        micro = [pack(chunk) for chunk in chunks(mine, size)]
-        local = {**counts(micro), **forward_token_counts(micro, cfg.pack_sequences, cfg.pack_row_tokens)}
+        micro = self._my_micro_batches(batch)
+        padded = [pack(m) for m in micro]
+        local = {**counts(padded), **forward_token_counts(padded, cfg.pack_sequences, cfg.pack_row_tokens)}
         totals_of = all_reduce_sum(local, self.rank)  # the whole batch's, as one rank would see it
         totals: dict[str, float] = {}
         maxima: dict[str, float] = {}
-        for chunk, packed in zip(chunks(mine, size), micro):
-            loss, stats = loss_fn(chunk, packed)
+        for items, packed in zip(micro, padded):
+            loss, stats = loss_fn(items, packed)
             own = counts([packed])
             loss_weight = own[normaliser] / max(totals_of[normaliser], 1.0)
             tok_weight = own["tokens"] / max(totals_of["tokens"], 1.0)
@@ -245,45 +256,48 @@ class Trainer(ForgeActor):
             norm = norm.full_tensor()
         return float(norm)
 
-    def _pack(self, episodes: list[Episode]) -> PaddedBatch:
+    def _pack(self, batch: EpisodeBatch) -> PaddedBatch:
+        """One micro-batch padded once, from its flat tensors."""
         cfg = self.config
-        responses = [e.response_ids for e in episodes]
-        # Nothing after the first stop token is trained; with mask_truncated, nothing of a cut one.
-        keep = trainable_lengths(
-            responses,
-            [e.finish_reason for e in episodes],
-            stop_token_ids=cfg.stop_token_ids,
-            mask_truncated=cfg.mask_truncated,
+        keep = None
+        # A multi-turn batch's own mask says what is trained: there a stop token ends a turn, not the response.
+        if batch.loss_mask is None:  # nothing after the first stop token; with mask_truncated, nothing of a cut one
+            keep = trainable_lengths(
+                batch.response_ids,
+                batch.response_lens,
+                batch.finish_reasons or ["stop"] * len(batch),
+                stop_token_ids=cfg.stop_token_ids,
+                mask_truncated=cfg.mask_truncated,
+            )
+        padded = right_pad(
+            batch.prompt_ids, batch.prompt_lens, batch.response_ids, batch.response_lens, cfg.pad_id, keep
         )
-        # A multi-turn episode's own mask says what is trained: there a stop token ends a turn, not the response.
-        keep = [int(e.response_ids.numel()) if e.loss_mask is not None else n for e, n in zip(episodes, keep)]
-        batch = pack_right_padded([e.prompt_ids for e in episodes], responses, cfg.pad_id, keep)
-        if any(e.loss_mask is not None for e in episodes):
-            batch.loss_mask = batch.loss_mask & token_loss_mask(episodes, batch.response_mask)
-        return batch
+        if batch.loss_mask is not None:
+            padded.loss_mask = padded.loss_mask & _laid_out(batch.loss_mask, padded.response_mask)
+        return padded
 
-    def _loss(self, episodes: list[Episode], batch: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _loss(self, batch: EpisodeBatch, padded: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """GRPO loss of one micro-batch, normalised by its own count (``LOSS_NORMALISERS``);
         per-token inputs are laid out like the logprobs."""
         cfg = self.config
-        mask = batch.response_mask.to(self.device)  # [B, L-1]
-        logprobs = batch_logprobs(self.model, batch, mask, self.device, cfg)  # [B, L-1]
+        mask = padded.response_mask.to(self.device)  # [B, L-1]
+        logprobs = batch_logprobs(self.model, padded, mask, self.device, cfg)  # [B, L-1]
         # Outside the mask, behaviour and reference equal the current logprobs (ratio 1, KL 0), so
         # no pad position can overflow exp() and poison the masked sums with inf * 0.
         behaviour = logprobs.detach().clone()
-        behaviour[mask] = torch.cat([e.behaviour_logprobs for e in episodes]).to(self.device, logprobs.dtype)
+        behaviour[mask] = batch.behaviour_logprobs.to(self.device, logprobs.dtype)
         if cfg.ref_from_base:  # the frozen base, the adapter off: the reference without a reference model
-            reference = torch.where(mask, self._base_logprobs(batch, mask), logprobs.detach())
+            reference = torch.where(mask, self._base_logprobs(padded, mask), logprobs.detach())
         else:
             reference = logprobs.detach().clone()
-            reference[mask] = torch.cat([e.ref_logprobs for e in episodes]).to(self.device, logprobs.dtype)
-        advantages = torch.tensor([e.advantage for e in episodes], dtype=logprobs.dtype, device=self.device)
+            reference[mask] = batch.ref_logprobs.to(self.device, logprobs.dtype)
+        advantages = batch.advantages.to(self.device, logprobs.dtype)
         return grpo_loss(
             logprobs,
             behaviour,
             reference,
             advantages,
-            batch.loss_mask.to(self.device),  # a multi-turn episode's environment tokens are out
+            padded.loss_mask.to(self.device),  # a multi-turn episode's environment tokens are out
             clip_eps=cfg.clip_eps,
             clip_eps_high=cfg.clip_eps_high,
             beta=cfg.beta,
@@ -310,10 +324,10 @@ class Trainer(ForgeActor):
             raise ValueError("reference_logprobs needs a LoRA trainer (trainer.lora): the base is the reference")
         return pair_base_logprobs(self.model, pairs, self.device, self.config)
 
-    def _pack_sft(self, examples: list[SFTExample]) -> PaddedBatch:
-        return pack_right_padded([e.prompt_ids for e in examples], [e.answer_ids for e in examples], self.config.pad_id)
+    def _pack_sft(self, batch: SFTBatch) -> PaddedBatch:
+        return right_pad(batch.prompt_ids, batch.prompt_lens, batch.answer_ids, batch.answer_lens, self.config.pad_id)
 
-    def _sft_loss(self, examples: list[SFTExample], batch: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _sft_loss(self, examples: SFTBatch, batch: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean NLL of one micro-batch's answer tokens, at temperature 1 (the data's own
         distribution, whatever the sampler's temperature)."""
         cfg = self.config

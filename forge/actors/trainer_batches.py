@@ -1,22 +1,21 @@
-"""How a trainer step counts its batch: trained sequences and tokens, forward tokens, chunks, masks.
+"""How a trainer step counts its batch (trained sequences and tokens, forward tokens) and scores it.
 
 The trainer normalises every micro-batch's loss by the whole step's counts (``Trainer._step``);
-these pure helpers compute those counts and lay out per-episode masks, apart from the actor.
+these pure helpers compute those counts and the model's logprobs of a padded batch, apart from the actor.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from forge.models import PaddedBatch, forward_tokens, pack_right_padded, padded_token_logprobs
-from forge.types import Episode
 
 if TYPE_CHECKING:
     from forge.actors.trainer_config import TrainerConfig
 
-__all__ = ["batch_logprobs", "chunks", "counts", "forward_token_counts", "pair_logprobs", "token_loss_mask"]
+__all__ = ["batch_logprobs", "counts", "forward_token_counts", "pair_logprobs"]
 
 
 def batch_logprobs(
@@ -57,25 +56,6 @@ def pair_logprobs(
     return [row[m].cpu() for row, m in zip(rows, mask)]
 
 
-def token_loss_mask(episodes: list[Episode], response_mask: torch.Tensor) -> torch.Tensor:
-    """The episodes' own per-token loss masks (``Episode.loss_mask``; all-true where None) laid
-    out like ``response_mask`` [B, L-1]."""
-    pieces = []
-    for i, e in enumerate(episodes):
-        n = int(e.response_ids.numel())
-        if e.loss_mask is None:
-            pieces.append(torch.ones(n, dtype=torch.bool))
-        elif e.loss_mask.shape != (n,):
-            raise ValueError(
-                f"episode {i} ({e.group_id}): loss_mask has shape {tuple(e.loss_mask.shape)}, expected ({n},)"
-            )
-        else:
-            pieces.append(e.loss_mask.bool())
-    laid_out = torch.zeros_like(response_mask)
-    laid_out[response_mask] = torch.cat(pieces)
-    return laid_out
-
-
 def _trained_sequences(batch: PaddedBatch) -> int:
     """Sequences with at least one trained token: what the loss's mean over sequences counts."""
     return int((batch.loss_mask.sum(1) > 0).sum())
@@ -99,7 +79,3 @@ def forward_token_counts(batches: list[PaddedBatch], pack: bool, row_tokens: int
         real += sum(lengths)
         computed += forward_tokens(lengths, pack, row_tokens)
     return {"forward_real_tokens": real, "forward_tokens": computed}
-
-
-def chunks(items: list[Any], size: int) -> list[list[Any]]:
-    return [items[start : start + size] for start in range(0, len(items), size)]

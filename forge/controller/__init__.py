@@ -38,9 +38,9 @@ from forge.controller.routing import (
     register_router,
 )
 from forge.controller.service import Service
-from forge.controller.wire import install as _install_fast_tensors
+from forge.wire import install as _install_fast_tensors
 
-_install_fast_tensors()  # small tensors cross processes as numpy arrays (see forge.controller.wire)
+_install_fast_tensors()  # small tensors cross processes as numpy arrays (see forge.wire)
 
 __all__ = [
     "AttachedService",

@@ -114,7 +114,8 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 def trainable_lengths(
-    response_ids: Sequence[Tensor],
+    response_ids: Tensor,
+    response_lens: Sequence[int] | Tensor,
     finish_reasons: Sequence[str],
     *,
     stop_token_ids: Collection[int] = (),
@@ -128,26 +129,31 @@ def trainable_lengths(
     length limit (``finish_reason == "length"``) trains nothing: its reward judged an unfinished
     answer, so its advantage says nothing about how the model should end.
 
-    response_ids: B tensors [T_b]; finish_reasons: B strings -> B lengths (0 <= n_b <= T_b)
+    response_ids: [sum T] the responses one after another; response_lens: B lengths;
+    finish_reasons: B strings -> B lengths (0 <= n_b <= T_b)
     """
-    if len(response_ids) != len(finish_reasons):
+    lens = torch.as_tensor(response_lens, dtype=torch.long)
+    if lens.numel() != len(finish_reasons):
         raise ValueError(
-            f"response_ids and finish_reasons must have one entry per response, "
-            f"got {len(response_ids)} and {len(finish_reasons)}"
+            f"response_lens and finish_reasons must have one entry per response, "
+            f"got {lens.numel()} and {len(finish_reasons)}"
         )
+    if int(lens.sum()) != response_ids.numel():
+        raise ValueError(
+            f"response_lens add up to {int(lens.sum())} tokens, but response_ids has {response_ids.numel()}"
+        )
+    keep = lens.clone()
     stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
-    lengths = []
-    for ids, reason in zip(response_ids, finish_reasons):
-        if mask_truncated and reason == "length":
-            lengths.append(0)
-            continue
-        n = int(ids.numel())
-        if stops.numel():
-            hits = torch.nonzero(torch.isin(ids.long(), stops)).flatten()
-            if hits.numel():
-                n = int(hits[0]) + 1  # keep the stop token itself: the model must learn to stop
-        lengths.append(n)
-    return lengths
+    if stops.numel() and response_ids.numel():
+        row = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+        position = torch.arange(response_ids.numel()) - (lens.cumsum(0) - lens)[row]
+        hit = torch.isin(response_ids.long(), stops)
+        first = torch.full_like(lens, response_ids.numel())
+        first.scatter_reduce_(0, row[hit], position[hit], reduce="amin")
+        keep = torch.minimum(keep, first + 1)  # keep the stop token itself: the model must learn to stop
+    if mask_truncated:
+        keep[torch.tensor([reason == "length" for reason in finish_reasons], dtype=torch.bool)] = 0
+    return keep.tolist()
 
 
 def grpo_loss(

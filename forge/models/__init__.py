@@ -8,6 +8,7 @@ from forge.models.logprobs import (
     pack_right_padded,
     pack_rows,
     padded_token_logprobs,
+    right_pad,
     sequence_logprobs,
 )
 from forge.models.tiny import build_char_tokenizer, make_tiny_model
@@ -22,5 +23,6 @@ __all__ = [
     "pack_right_padded",
     "pack_rows",
     "padded_token_logprobs",
+    "right_pad",
     "sequence_logprobs",
 ]

@@ -42,6 +42,7 @@ __all__ = [
     "PaddedBatch",
     "RowPacking",
     "pack_right_padded",
+    "right_pad",
     "first_fit_rows",
     "forward_padding_fraction",
     "forward_tokens",
@@ -88,12 +89,10 @@ def pack_right_padded(
     pad_id: int = 0,
     loss_lens: Sequence[int] | None = None,
 ) -> PaddedBatch:
-    """Concatenate each prompt with its response and right-pad them to one length.
+    """Concatenate each prompt with its response and right-pad them to one length (``right_pad``
+    of the pieces joined).
 
-    ``loss_lens`` (e.g. from ``forge.losses.trainable_lengths``) limits ``loss_mask`` to each
-    response's first ``loss_lens[b]`` tokens. Raises ``ValueError`` if the lists differ in
-    length, a tensor is not 1-D, a prompt is empty (the first response token needs at least one
-    token to be predicted from) or a loss length is outside ``[0, response length]``.
+    Raises ``ValueError`` if the lists differ in length or a tensor is not 1-D, and as ``right_pad``.
     """
     if len(prompt_ids) != len(response_ids):
         raise ValueError(
@@ -107,35 +106,76 @@ def pack_right_padded(
                 f"pair {i}: prompt and response must be 1-D token id tensors, "
                 f"got shapes {tuple(p.shape)} and {tuple(r.shape)}"
             )
-        if p.numel() == 0:
-            raise ValueError(f"pair {i}: prompt is empty; it needs at least one token")
+    return right_pad(
+        torch.cat([p.long() for p in prompt_ids]),
+        [int(p.numel()) for p in prompt_ids],
+        torch.cat([r.long() for r in response_ids]),
+        [int(r.numel()) for r in response_ids],
+        pad_id,
+        loss_lens,
+    )
 
-    prompt_lens = [int(p.numel()) for p in prompt_ids]
-    response_lens = [int(r.numel()) for r in response_ids]
-    if loss_lens is not None:
-        if len(loss_lens) != len(response_lens):
-            raise ValueError(f"loss_lens has {len(loss_lens)} entries for {len(response_lens)} responses")
-        for i, (n, limit) in enumerate(zip(loss_lens, response_lens)):
-            if not 0 <= n <= limit:
-                raise ValueError(f"loss_lens[{i}] is {n}, expected 0..{limit} (the response's length)")
-    length = max(p + r for p, r in zip(prompt_lens, response_lens))
-    batch = len(prompt_ids)
-    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, length), dtype=torch.long)
-    response_mask = torch.zeros((batch, max(length - 1, 0)), dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        n_p, n_r = prompt_lens[i], response_lens[i]
-        input_ids[i, :n_p] = p.to(torch.long)
-        input_ids[i, n_p : n_p + n_r] = r.to(torch.long)
-        attention_mask[i, : n_p + n_r] = 1
-        # Token at position n_p + t is predicted by column n_p + t - 1.
-        response_mask[i, n_p - 1 : n_p - 1 + n_r] = True
+
+def right_pad(
+    prompt_ids: torch.Tensor,
+    prompt_lens: Sequence[int] | torch.Tensor,
+    response_ids: torch.Tensor,
+    response_lens: Sequence[int] | torch.Tensor,
+    pad_id: int = 0,
+    loss_lens: Sequence[int] | torch.Tensor | None = None,
+) -> PaddedBatch:
+    """Right-padded prompt+response rows straight from flat tensors (prompt after prompt,
+    response after response, as a packed batch holds them), with a few tensor operations
+    whatever the batch's size.
+
+    ``loss_lens`` (e.g. from ``forge.losses.trainable_lengths``) limits ``loss_mask`` to each
+    response's first ``loss_lens[b]`` tokens. Raises ``ValueError`` if the lengths do not fit the
+    flat tensors, a prompt is empty (the first response token needs at least one token to be
+    predicted from) or a loss length is outside ``[0, response length]``.
+    """
+    p_lens = torch.as_tensor(prompt_lens, dtype=torch.long)
+    r_lens = torch.as_tensor(response_lens, dtype=torch.long)
+    if p_lens.numel() != r_lens.numel() or p_lens.numel() == 0:
+        raise ValueError(
+            f"need one prompt per response and at least one pair, got {p_lens.numel()} and {r_lens.numel()}"
+        )
+    if int(p_lens.sum()) != prompt_ids.numel() or int(r_lens.sum()) != response_ids.numel():
+        raise ValueError(
+            f"prompt and response lengths add up to {int(p_lens.sum())} and {int(r_lens.sum())} tokens, "
+            f"but the flat tensors hold {prompt_ids.numel()} and {response_ids.numel()}"
+        )
+    empty = torch.nonzero(p_lens == 0).flatten()
+    if empty.numel():
+        raise ValueError(f"pair {int(empty[0])}: prompt is empty; it needs at least one token")
+    total = p_lens + r_lens
+    columns = torch.arange(int(total.max()))[None, :]
+    in_prompt = columns < p_lens[:, None]
+    real = columns < total[:, None]
+    in_response = real & ~in_prompt
+    input_ids = torch.full(real.shape, pad_id, dtype=torch.long)
+    # Boolean indexing walks row by row: the flat tensors' order, piece after piece.
+    input_ids[in_prompt] = prompt_ids.long()
+    input_ids[in_response] = response_ids.long()
+    # Token at position n_p + t is predicted by column n_p + t - 1.
+    response_mask = in_response[:, 1:]
     loss_mask = None
     if loss_lens is not None:
-        loss_mask = torch.zeros_like(response_mask)
-        for i, (n_p, n) in enumerate(zip(prompt_lens, loss_lens)):
-            loss_mask[i, n_p - 1 : n_p - 1 + n] = True
-    return PaddedBatch(input_ids, attention_mask, response_mask, prompt_lens, response_lens, loss_mask)
+        keep = torch.as_tensor(loss_lens, dtype=torch.long)
+        if keep.numel() != r_lens.numel():
+            raise ValueError(f"loss_lens has {keep.numel()} entries for {r_lens.numel()} responses")
+        bad = torch.nonzero((keep < 0) | (keep > r_lens)).flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"loss_lens[{i}] is {int(keep[i])}, expected 0..{int(r_lens[i])} (the response's length)")
+        loss_mask = (in_response & (columns < (p_lens + keep)[:, None]))[:, 1:]
+    return PaddedBatch(
+        input_ids,
+        real.long(),
+        response_mask.contiguous(),
+        p_lens.tolist(),
+        r_lens.tolist(),
+        None if loss_mask is None else loss_mask.contiguous(),
+    )
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import torch
 
 from forge.actors.policy import PackedGroups, PolicyConfig, prompt_key
 from forge.actors.reference_model import (
-    PackedGroupPairs,
     PackedPairs,
     ReferenceModel,
     ResponseGroup,
@@ -23,7 +22,7 @@ from forge.actors.reference_model import (
 from forge.actors.reward import RewardActor, resolve_reward
 from forge.controller import KeyAffinity
 from forge.controller.routing import RouteRequest
-from forge.types import Completion, Episode, EpisodeBatch, Prompt
+from forge.types import Completion, Episode, EpisodeBatch, Groups, Prompt
 from tests.numerics import assert_close_to_scale
 
 
@@ -140,15 +139,15 @@ def test_reference_group_enbatch_and_debatch_give_each_caller_its_groups_rows_in
         ResponseGroup(torch.tensor([6]), torch.tensor([7, 8, 9]), [3]),
     ]
     packed = ReferenceModel.pack_groups(groups)
-    assert isinstance(packed, PackedGroupPairs) and packed.group_sizes == [2, 1]
-    prompts, responses = packed.pairs.unpack()
+    assert isinstance(packed, Groups) and packed.sizes == [2, 1]
+    prompts, responses = packed.batch.unpack()
     assert [p.tolist() for p in prompts] == [[1, 2], [1, 2], [6]]
     assert [r.tolist() for r in responses] == [[3], [4, 5], [7, 8, 9]]
     flat = torch.arange(6, dtype=torch.float32)
-    out = ReferenceModel.split_group_logprobs((flat, packed.pairs.response_lens, packed.group_sizes), 2)
+    out = ReferenceModel.split_group_logprobs((flat, packed.batch.response_lens, packed.sizes), 2)
     assert [g.tolist() for g in out] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     with pytest.raises(ValueError, match="returned 2 groups of 3 responses and 3 logprob rows for 3 groups"):
-        ReferenceModel.split_group_logprobs((flat, packed.pairs.response_lens, packed.group_sizes), 3)
+        ReferenceModel.split_group_logprobs((flat, packed.batch.response_lens, packed.sizes), 3)
 
 
 def test_a_group_is_bucketed_by_its_longest_pair_and_sized_by_its_tokens():
@@ -348,10 +347,13 @@ async def test_trainer_step_takes_the_ratio_from_behaviour_the_kl_from_reference
 
 
 def test_a_step_counts_its_trained_sequences_tokens_and_rows_from_each_episodes_own_mask():
-    """token_loss_mask lays each episode's own mask where its response sits (all true without
-    one); counts() gives the sequences with a trained token, the trained tokens and all rows."""
-    from forge.actors.trainer_batches import counts, token_loss_mask
-    from forge.models import pack_right_padded
+    """The trainer pads a packed batch once and lays each episode's own mask where its response
+    sits (all true without one); counts() gives the sequences with a trained token, the trained
+    tokens and all rows."""
+    from types import SimpleNamespace
+
+    from forge.actors.trainer import Trainer, TrainerConfig
+    from forge.actors.trainer_batches import counts
 
     def episode(prompt: list[int], response: list[int], mask: list[bool] | None) -> Episode:
         lp = torch.full((len(response),), -1.0)
@@ -363,8 +365,8 @@ def test_a_step_counts_its_trained_sequences_tokens_and_rows_from_each_episodes_
         episode([1], [6, 7], None),
         episode([1, 2, 3], [8], [False]),
     ]
-    batch = pack_right_padded([e.prompt_ids for e in episodes], [e.response_ids for e in episodes], 0, [3, 2, 1])
-    batch.loss_mask = batch.loss_mask & token_loss_mask(episodes, batch.response_mask)
+    trainer = SimpleNamespace(config=TrainerConfig(model_path="unused", stop_token_ids=[3, 6]))
+    batch = Trainer._pack(trainer, EpisodeBatch.pack(episodes))  # a batch with masks: no stop-token cut
     assert batch.loss_mask.int().tolist() == [[0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
     assert counts([batch]) == {"sequences": 2.0, "tokens": 4.0, "rows": 3.0}
 

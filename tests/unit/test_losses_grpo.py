@@ -483,18 +483,18 @@ def test_corrections_reject_bounds_that_bound_nothing(kwargs, message):
 
 def test_trainable_lengths_end_at_the_first_stop_token_inclusive():
     """[5, 9, 7, 9] with stop 9 trains 2 tokens; a response without a stop trains all of it."""
-    ids = [torch.tensor([5, 9, 7, 9]), torch.tensor([5, 6, 7])]
-    assert trainable_lengths(ids, ["stop", "length"], stop_token_ids=[9]) == [2, 3]
+    ids = torch.tensor([5, 9, 7, 9, 5, 6, 7])
+    assert trainable_lengths(ids, [4, 3], ["stop", "length"], stop_token_ids=[9]) == [2, 3]
 
 
 def test_trainable_lengths_leave_truncated_responses_out_with_mask_truncated():
     """finish_reason 'length' trains 0 tokens with mask_truncated, all of them without."""
-    ids = [torch.tensor([5, 6]), torch.tensor([5, 6, 7])]
-    assert trainable_lengths(ids, ["stop", "length"], mask_truncated=True) == [2, 0]
-    assert trainable_lengths(ids, ["stop", "length"], mask_truncated=False) == [2, 3]
+    ids = torch.tensor([5, 6, 5, 6, 7])
+    assert trainable_lengths(ids, [2, 3], ["stop", "length"], mask_truncated=True) == [2, 0]
+    assert trainable_lengths(ids, [2, 3], ["stop", "length"], mask_truncated=False) == [2, 3]
 
 
 def test_trainable_lengths_need_one_finish_reason_per_response():
     """A length mismatch names both counts."""
     with pytest.raises(ValueError, match="got 2 and 1"):
-        trainable_lengths([torch.tensor([1]), torch.tensor([2])], ["stop"])
+        trainable_lengths(torch.tensor([1, 2]), [1, 1], ["stop"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forge.actors.replay_buffer import GroupBuffer, ReplayBuffer, Sample, group_version
-from forge.types import Episode, EpisodeBatch, EpisodeGroups
+from forge.types import Episode, EpisodeBatch, Groups
 
 
 def _episodes(group_id: str, version: int, size: int = 3) -> list[Episode]:
@@ -125,7 +125,7 @@ def _fields(batch: EpisodeBatch) -> dict:
 
 
 def test_groups_packed_into_one_batch_split_back_exactly():
-    """EpisodeGroups.pack/unpack (one batch for many groups) gives back every group's fields;
+    """Groups.pack/unpack (one batch for many groups) gives back every group's fields;
     each group's tensors, sent on alone, carry their own elements, not the packed batch's."""
     a = EpisodeBatch.pack(_episodes("a", 2))
     b_episodes = _episodes("b", 3, size=2)
@@ -135,7 +135,7 @@ def test_groups_packed_into_one_batch_split_back_exactly():
     b_episodes[0].finish_reason = "length"
     b = EpisodeBatch.pack(b_episodes)
     c = EpisodeBatch.pack(_episodes("c", 4, size=1))
-    packed = EpisodeGroups.pack([a, b, c])
+    packed = Groups.pack([a, b, c])
     assert packed.sizes == [3, 2, 1] and len(packed.batch) == 6
     got = packed.unpack()
     assert [_fields(g) for g in got[1:2]] == [_fields(b)]
@@ -156,21 +156,21 @@ def test_groups_packed_into_one_batch_split_back_exactly():
 
 
 async def test_actor_takes_packed_groups_and_its_samples_cross_packed():
-    """add_many takes EpisodeGroups; a Sample crossing a process carries its groups as one
-    EpisodeGroups and arrives as the same list of groups."""
+    """add_many takes Groups; a Sample crossing a process carries its groups as one
+    Groups and arrives as the same list of groups."""
     import pickle
 
     from monarch.actor import this_proc
 
     groups = [_group(f"g{i}", version=0, size=i + 1) for i in range(3)]
     sample = Sample(groups, evicted=1)
-    assert isinstance(sample.__getstate__()["groups"], EpisodeGroups)
+    assert isinstance(sample.__getstate__()["groups"], Groups)
     back = pickle.loads(pickle.dumps(sample))
     assert [_fields(g) for g in back.groups] == [_fields(g) for g in groups] and back.evicted == 1
     actor = this_proc().spawn("buffer_packed_test", ReplayBuffer, 0)
     try:
         await actor.setup.call_one()
-        assert await actor.add_many.call_one(EpisodeGroups.pack(groups)) == [True, True, True]
+        assert await actor.add_many.call_one(Groups.pack(groups)) == [True, True, True]
         got = await actor.sample.call_one(3, 0)
         assert [g.group_ids for g in got.groups] == [g.group_ids for g in groups]
     finally:

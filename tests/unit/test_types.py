@@ -1,7 +1,7 @@
 """Every pack/unpack pair of a group's journey keeps each field in its own place.
 
 A scored group travels packed: the policy's ``PackedGroups`` -> ``PackedGroup`` -> the
-reference's ``PackedGroupPairs`` -> ``EpisodeBatch.of_group`` -> ``EpisodeGroups`` (to the
+reference's ``Groups`` of ``PackedPairs`` -> ``EpisodeBatch.of_group`` -> ``Groups`` (to the
 buffer, in a ``Sample``, in a rollout worker's ``MadeGroups``) -> ``Episode`` in the trainer.
 Each test here fills every field with values no other field holds (behaviour logprobs in
 (-2, -1], reference logprobs in (-4, -3], rewards >= 10, advantages <= -20, versions >= 30,
@@ -30,8 +30,8 @@ from forge.types import (
     Completion,
     Episode,
     EpisodeBatch,
-    EpisodeGroups,
     Group,
+    Groups,
     PackedGroup,
     Prompt,
     SFTBatch,
@@ -111,9 +111,9 @@ def test_concat_and_split_are_inverses_that_keep_every_field():
 
 
 def test_episode_groups_cross_a_process_as_the_same_groups():
-    """EpisodeGroups.pack -> the wire -> unpack gives the same groups, each field in its place."""
+    """Groups.pack -> the wire -> unpack gives the same groups, each field in its place."""
     groups = [EpisodeBatch.pack(g) for g in _by_group(_episodes())]
-    _same(_wire(EpisodeGroups.pack(groups)).unpack(), groups, "groups")
+    _same(_wire(Groups.pack(groups)).unpack(), groups, "groups")
 
 
 def test_a_sample_from_the_buffer_arrives_with_its_groups_fields():
@@ -198,7 +198,7 @@ def test_turns_reach_each_caller_with_their_own_tokens_and_logprobs():
 
 
 def test_reference_pairs_and_groups_reach_the_model_and_come_back_in_order():
-    """PackedPairs and PackedGroupPairs cross to the reference with each pair's prompt and response;
+    """PackedPairs and a Groups of them cross to the reference with each pair's prompt and response;
     the flat logprobs split back into each caller's own rows."""
     pairs = [(torch.tensor([1, 2]), torch.tensor([30])), (torch.tensor([4]), torch.tensor([50, 60, 70]))]
     prompts, responses = _wire(ReferenceModel.pack_pairs(pairs)).unpack()
@@ -208,12 +208,12 @@ def test_reference_pairs_and_groups_reach_the_model_and_come_back_in_order():
         ResponseGroup(torch.tensor([6]), torch.tensor([70, 80]), [2]),
     ]
     packed = _wire(ReferenceModel.pack_groups(groups))
-    assert isinstance(packed.pairs, PackedPairs) and packed.group_sizes == [2, 1]
-    prompts, responses = packed.pairs.unpack()
+    assert isinstance(packed.batch, PackedPairs) and packed.sizes == [2, 1]
+    prompts, responses = packed.batch.unpack()
     _same(prompts, [torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([6])], "group prompts")
     _same(responses, [torch.tensor([30]), torch.tensor([40, 41]), torch.tensor([70, 80])], "group responses")
     flat = -torch.arange(1, 6, dtype=torch.float32)  # what a replica answers, row after row
-    out = ReferenceModel.split_group_logprobs(_wire((flat, packed.pairs.response_lens, packed.group_sizes)), 2)
+    out = ReferenceModel.split_group_logprobs(_wire((flat, packed.batch.response_lens, packed.sizes)), 2)
     _same(out, [torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-4.0, -5.0])], "group logprobs")
 
 
@@ -241,7 +241,7 @@ def test_a_scored_group_puts_reference_behaviour_rewards_and_advantages_in_their
     ]
     batch = EpisodeBatch.of_group(group, "g4", ref, rewards, advantages)
     _same(batch.unpack(), want, "of_group")
-    _same(_wire(EpisodeGroups.pack([batch])).unpack()[0].unpack(), want, "of_group, wire")
+    _same(_wire(Groups.pack([batch])).unpack()[0].unpack(), want, "of_group, wire")
     with pytest.raises(ValueError, match="6 tokens, but 5 reference logprobs, 3 rewards, 3 advantages"):
         EpisodeBatch.of_group(group, "g4", ref[:5], rewards, advantages)
 

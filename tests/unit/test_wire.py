@@ -1,4 +1,4 @@
-"""Small tensors cross processes as numpy arrays (``forge.controller.wire``): through Monarch's
+"""Small tensors cross processes as numpy arrays (``forge.wire``): through Monarch's
 own message pickler and a real actor on another process, every kind of tensor arrives equal,
 with its dtype, shape and autograd flag; the ones the fast path leaves alone keep Monarch's."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 from monarch._src.actor import pickle as monarch_pickle
 
-from forge.controller import ForgeActor, endpoint, wire
+from forge import wire
+from forge.controller import ForgeActor, endpoint
 
 TENSORS = {
     "int64": torch.arange(10),
