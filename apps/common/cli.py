@@ -24,7 +24,8 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
 C = TypeVar("C")
-Run = Callable[[Any, Any, "Path | None"], Awaitable[str]]
+Run = Callable[[Any, Any, Any], Awaitable[str]]
+"""``run(cfg, terminal, resume_from)``: ``resume_from`` is ``resume_point``'s answer."""
 
 
 class Terminated(Exception):
@@ -86,6 +87,14 @@ def checkpoint_to_resume(checkpoint_dir: str | Path, resume: bool) -> Path | Non
     return found
 
 
+def resume_point(cfg: Any, resume: bool) -> Any:
+    """What the run continues from: ``checkpoint_to_resume`` of its ``checkpoint_dir``, or what
+    a config of several runs says for each (its ``resume_points``)."""
+    if hasattr(cfg, "resume_points"):
+        return cfg.resume_points(resume)
+    return checkpoint_to_resume(cfg.checkpoint_dir, resume)
+
+
 async def _run_until_signalled(run: Run, cfg: Any, terminal: Any, resume_from: Path | None) -> str:
     """``run``, with SIGTERM handled like Ctrl-C: cancel, stop every role, then exit."""
     loop = asyncio.get_running_loop()
@@ -120,7 +129,8 @@ def main(
 ) -> int:
     """Parse ``argv``, load the config (``schema()`` is the config class, imported late so that
     Monarch is configured first), run ``run(cfg, terminal, resume_from)`` and return the exit
-    code; ``failures`` are the exception types that mean "the run failed" (besides forge's own)."""
+    code; ``failures`` are the exception types that mean "the run failed" (besides forge's own).
+    ``resume_from`` is ``resume_point(cfg, --resume)``; None when the app is not ``resumable``."""
     from forge.controller import ForgeError, quiet_monarch
 
     quiet_monarch()
@@ -139,7 +149,7 @@ def main(
         print(f"{app}: bad config: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        resume_from = checkpoint_to_resume(cfg.checkpoint_dir, args.resume) if resumable else None
+        resume_from = resume_point(cfg, args.resume) if resumable else None
     except (FileNotFoundError, FileExistsError) as exc:
         print(f"{app}: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -13,7 +13,7 @@ from typing import Any
 
 from forge.controller.errors import describe
 
-__all__ = ["POLICY_ENV", "QUIET_ENV", "ROLE_ENV", "SERVICE_ROLES", "RoleFailed", "call_role"]
+__all__ = ["POLICY_ENV", "QUIET_ENV", "ROLE_ENV", "RUN_ENV", "SERVICE_ROLES", "RoleFailed", "call_role"]
 
 
 class RoleFailed(Exception):
@@ -58,6 +58,10 @@ shared cores)."""
 ROLE_ENV = "FORGE_GRPO_ROLE"
 """Set to the role's name in each role's processes, so that tools (``ps e``, psutil, the
 fault tests) can tell them apart."""
+
+RUN_ENV = "FORGE_RUN"
+"""Set to the run's name in the role processes of one run of a multi-adapter job, whose runs each
+have a trainer: a dead one's processes are told from the other runs' by it."""
 
 
 async def call_role(role: str, awaitable: Any) -> Any:

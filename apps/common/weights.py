@@ -91,6 +91,15 @@ class PolicyWeights:
         """Fetch and push the trainer's weights, and wait; returns their version."""
         return await self.push(*(await self.fetch()))
 
+    async def served_versions(self) -> list[int]:
+        """The version each policy replica serves now, as each reports it."""
+        return await call_role("policy", self.policy.version.fanout())
+
+    async def probes(self, prompt_ids: list[int]) -> list[tuple[int, list[int], list[float]]]:
+        """One sample of ``prompt_ids`` from every policy replica: the version it serves, the
+        tokens and their logprobs, for the trainer to score the same tokens (``Policy.probe``)."""
+        return await call_role("policy", self.policy.probe.fanout(prompt_ids))
+
     async def resync(self, actor_mesh: Any) -> None:
         """A restarted policy replica's step before it takes traffic: load the served weights.
 

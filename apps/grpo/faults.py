@@ -158,17 +158,21 @@ class RoleWatch:
                     return
 
 
-def role_processes(app_pid: int, role: str) -> list[Any]:
+def role_processes(app_pid: int, role: str, run: str | None = None) -> list[Any]:
     """The processes of ``role`` (psutil ``Process`` objects) under the app process ``app_pid``:
-    the replica processes themselves, not their own children (e.g. a vLLM helper)."""
+    the replica processes themselves, not their own children (e.g. a vLLM helper). ``run``: only
+    those of that run of a multi-adapter job (``RUN_ENV``)."""
     import psutil
 
-    from apps.grpo.roles import ROLE_ENV
+    from apps.common.roles import ROLE_ENV, RUN_ENV
 
     found = []
     for child in psutil.Process(app_pid).children(recursive=True):
         try:
-            if child.environ().get(ROLE_ENV) == role and child.parent().environ().get(ROLE_ENV) != role:
+            env = child.environ()
+            if run is not None and env.get(RUN_ENV) != run:
+                continue
+            if env.get(ROLE_ENV) == role and child.parent().environ().get(ROLE_ENV) != role:
                 found.append(child)
         except psutil.Error:  # exited meanwhile, or not ours to read
             continue

@@ -43,9 +43,11 @@ Multi-turn (``env.cls`` set, e.g. ``configs/multiturn_tiny.yaml``): each group i
 ``group_size`` trajectories against an environment service instead of completions scored by
 ``reward``; see ``multiturn.py``.
 
-The pieces: ``roles.py`` starts and stops the roles, ``rollouts.py`` runs the rollout workers,
-``training.py`` the step loop, weight sync and checkpoints, ``run_log.py`` the per-step
-metrics; this module wires them into one run with clean shutdown and exit codes.
+The pieces: ``roles.py`` starts and stops the roles, ``groups.py`` makes a group, ``rollouts.py``
+schedules groups into the buffer, ``training.py`` is the step loop, weight sync and checkpoints,
+``run_loop.py`` trains a started run to its end (resume, evaluation, trainer restarts),
+``run_log.py`` the per-step metrics; this module starts and stops one run, with clean shutdown
+and exit codes.
 
 Checkpoints: with ``trainer.checkpoint_every=N`` the trainer saves a full checkpoint under
 ``<output_dir>/checkpoints`` every N steps and at the last one (see ``resume``). A killed run
@@ -64,16 +66,12 @@ from typing import TYPE_CHECKING, Any
 
 import forge.controller  # noqa: F401  (before anything imports monarch)
 from apps.common import cli
-from apps.common.evaluation import EvalPlan, EvalRuns
 from apps.common.weights import PolicyWeights
 from apps.grpo.faults import RoleWatch, resume_hint
 from apps.grpo.groups import GroupSettings
 from apps.grpo.roles import RoleFailed, Roles, fault_options, job_gone, prepare_model, start_roles, stop_roles
 from apps.grpo.rollout_workers import ViewPublisher, start_rollout_workers, stop_rollout_workers
-from apps.grpo.rollouts import Rollouts
-from apps.grpo.run_log import RunLog
-from apps.grpo.trainer_restart import TrainerRestarts, trainer_died
-from apps.grpo.training import resume, train
+from apps.grpo.run_loop import TrainingRun, eval_plan
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
@@ -90,14 +88,10 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
     cli.record_config(cfg, terminal, "grpo")
     model_path = prepare_model(cfg)
     plan = eval_plan(cfg, model_path)  # the held-out prompts are loaded and checked before any role starts
-    evals: EvalRuns | None = None
     watch = RoleWatch(cfg)
     add_fault_listener(watch)
     roles = Roles()
-    log: RunLog | None = None
-    rollouts: Rollouts | None = None
     views: ViewPublisher | None = None
-    tasks: list[asyncio.Task] = []
     try:
         roles = await start_roles(cfg, model_path)
         w = cfg.weight_sync
@@ -114,44 +108,14 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         if cfg.rollout.workers:  # the groups are made in worker processes (rollout_workers.py)
             workers, settings = cfg.rollout.workers, GroupSettings.from_config(cfg)
             roles.rollout, views = await start_rollout_workers(roles, workers, settings, **fault_options(cfg))
-        await watch.watch_actor("trainer", roles.trainer)
-        step, version = (0, 0) if resume_from is None else await resume(cfg, roles, resume_from)
-        if plan is not None:  # the first evaluation: the weights training starts from
-            evals = EvalRuns(plan, roles.policy, cfg.eval.every)
-            await evals.now(step)
-        startup_s = time.perf_counter() - t_start
-        log = RunLog(cfg, terminal, resume_after=None if resume_from is None else step, started=t_start)
-        rollouts = Rollouts.from_config(cfg, roles)  # its groups: groups.py (single-turn) or multiturn.py
-        restarts = TrainerRestarts(cfg, model_path, roles, watch)
-        tasks = [asyncio.create_task(watch.watch_services(roles.services()), name="service-watch"), *rollouts.start()]
+        watches = []
         if roles.host_pool is not None and roles.host_pool.job is not None:  # a job that ends stops the run
-            tasks.append(asyncio.create_task(roles.host_pool.watch_job(), name="job-watch"))
-        while True:  # once, plus once more after each dead trainer is replaced (trainer_restart.py)
-            training = asyncio.create_task(train(cfg, roles, rollouts, log, step, version, evals), name="train")
-            watcher = asyncio.create_task(watch.failed.wait(), name="failure-watch")
-            tasks += [training, watcher]
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            gone = await job_gone(roles)  # a dead job's roles die too: the job is the cause, not them
-            if gone is not None:
-                raise gone
-            died = trainer_death(watch, training)
-            if died is None:
-                break
-            for task in (training, watcher):
-                task.cancel()
-                tasks.remove(task)
-            await asyncio.gather(training, watcher, return_exceptions=True)
-            step, version = await restarts.restart(died)
-            log.close()
-            log = RunLog(cfg, terminal, resume_after=step, started=t_start)  # the steps after it are logged again
-            log.trainer_restarts = restarts.restarts
-        if watch.error is not None:
-            raise watch.error
-        for task in done:
-            task.result()  # the training loop's error, or a rollout worker's (they never return)
-        log.close()
-        plot = log.plot()
-        return log.summary(time.perf_counter() - t_start, startup_s) + (f"; plot {plot}" if plot else "")
+            watches.append(asyncio.create_task(roles.host_pool.watch_job(), name="job-watch"))
+        training = TrainingRun(
+            cfg, model_path, roles, watch, terminal, started=t_start, resume_from=resume_from, plan=plan
+        )
+        await training.run(watches)
+        return training.summary()
     except Exception as exc:
         root = watch.error if watch.error is not None else exc  # a role gone for good is the root cause
         gone = await job_gone(roles)
@@ -162,44 +126,9 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
             raise root from exc
         raise
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if evals is not None:
-            await evals.close()
-        if rollouts is not None:
-            await rollouts.close()
-        if log is not None:
-            log.close()
         await stop_rollout_workers(roles, views)
         watch.stopping = True  # stays installed: late reports of stopped processes are silenced
         await stop_roles(roles)
-
-
-def trainer_death(watch: RoleWatch, training: asyncio.Task) -> RoleFailed | None:
-    """The trainer's process death that stopped ``training`` or that ``watch`` saw, if that is
-    what happened (``trainer_died``); None for anything else (the run ends or fails as it is)."""
-    if watch.error is not None:
-        return watch.error if trainer_died(watch.error) else None
-    if training.done() and not training.cancelled():
-        error = training.exception()
-        if error is not None and trainer_died(error):
-            return error
-    return None
-
-
-def eval_plan(cfg: GRPOConfig, model_path: str) -> EvalPlan | None:
-    """The run's held-out evaluation (``eval`` section), or None when ``eval.every`` is 0."""
-    if not cfg.eval.every:
-        return None
-    return EvalPlan.from_config(
-        cfg.eval,
-        cfg.data,
-        model_path,
-        temperature=cfg.policy.temperature,
-        max_tokens=cfg.policy.max_tokens,
-        reward_fns=dict(cfg.reward.fns),
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from apps.common.roles import RUN_ENV
 from apps.grpo.faults import RoleWatch, resume_hint, role_processes
 from apps.grpo.roles import RoleFailed, Roles, assign_gpus, call_role, role_specs, start_role
 from forge.checkpoint import latest_checkpoint
@@ -133,7 +134,8 @@ class TrainerRestarts:
         roles, cfg = self.roles, self.cfg
         old = roles.trainer
         self.watch.retire("trainer")
-        for process in role_processes(os.getpid(), "trainer"):  # a hung (stopped) rank never stops by itself
+        run = cfg.trainer.env.get(RUN_ENV)  # a multi-adapter job's run: its own trainer's processes only
+        for process in role_processes(os.getpid(), "trainer", run):  # a hung (stopped) rank never stops by itself
             with contextlib.suppress(psutil.Error):
                 process.kill()
         lost = self._lost_hosts()
@@ -149,7 +151,7 @@ class TrainerRestarts:
         await self.watch.watch_actor("trainer", trainer)
         load = call_spmd(trainer.load_checkpoint, checkpoint, timeout_s=cfg.faults.health_timeout_s)
         step, version, _ = await call_role("trainer", load)
-        before = await self._policy_call(roles.policy.version.fanout())
+        before = await self._policy_call(roles.weights.served_versions())
         await roles.weights.sync()
         await self._report_served(max(before or [0]), version)
         return step, version
@@ -159,7 +161,7 @@ class TrainerRestarts:
         """A report's call to the policy replicas; None if none answers (they are restarting: each
         resyncs before it serves), which leaves the report out and the restore going on."""
         try:
-            return await call_role("policy", call)
+            return await call
         except RoleFailed as exc:
             if not exc.recoverable:
                 raise
@@ -178,7 +180,7 @@ class TrainerRestarts:
         fingerprint = call_spmd(roles.trainer.weights_fingerprint, timeout_s=cfg.faults.health_timeout_s)
         for name, value in zip(("sum", "sumsq"), await call_role("trainer", fingerprint)):
             record_metric(f"weight_sync/restore/trainer_{name}", value, "last")
-        samples = await self._policy_call(roles.policy.probe.fanout(PROBE_PROMPT))
+        samples = await self._policy_call(roles.weights.probes(PROBE_PROMPT))
         if not samples:
             return
         pairs = [(PROBE_PROMPT, tokens) for _, tokens, _ in samples]

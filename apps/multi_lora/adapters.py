@@ -71,14 +71,16 @@ class AdapterWeights(PolicyWeights):
         self.adapters = adapters
         self.adapter_id = adapter_id
 
-    async def push(self, weights: Any, version: int) -> int:
+    async def push(self, weights: Any, version: int, rollback: bool = False) -> int:
         """Serve ``weights`` as the run's adapter ``version`` on every healthy replica (a replica
-        restarting meanwhile gets it from ``SharedAdapters.resync``)."""
+        restarting meanwhile gets it from ``SharedAdapters.resync``); an older version than the
+        replicas serve only with ``rollback``."""
         from forge.observability import record_metric
 
         t0 = time.perf_counter()
         self.served = self.adapters.served[self.adapter_id] = ServedWeights(weights, version)
-        update = self.policy.update_adapter.fanout(self.adapter_id, weights, version, timeout=self.adapters.timeout_s)
+        timeout = self.adapters.timeout_s
+        update = self.policy.update_adapter.fanout(self.adapter_id, weights, version, rollback, timeout=timeout)
         try:
             await call_role("policy", update)
         except RoleFailed as exc:
@@ -88,22 +90,43 @@ class AdapterWeights(PolicyWeights):
         record_metric("weight_sync/push_s", time.perf_counter() - t0)
         return version
 
+    async def sync(self) -> int:
+        """Fetch and push the trainer's adapter, and wait: a restored checkpoint's (``--resume``,
+        a replaced trainer), which may be older than the version the replicas serve."""
+        weights, version = await self.fetch()
+        return await self.push(weights, version, rollback=True)
 
-class _AdapterGenerate:
-    """``generate.route`` as the GRPO rollouts call it, to the run's adapter."""
+    async def served_versions(self) -> list[int]:
+        """The version of the run's adapter each replica serves next (its catalog's newest)."""
+        call = self.policy.adapter_version.fanout(self.adapter_id, timeout=self.adapters.timeout_s)
+        return await call_role("policy", call)
 
-    def __init__(self, policy: Any, adapter_id: str, timeout_s: float) -> None:
-        self.policy = policy
+    async def probes(self, prompt_ids: list[int]) -> list[tuple[int, list[int], list[float]]]:
+        """One sample of ``prompt_ids`` with the run's adapter, from the replica that routing picks
+        (a replica holds an adapter in vLLM only while it serves it, so not from every one)."""
+        call = self.policy.probe_adapter.route(prompt_ids, model_id=self.adapter_id, timeout=self.adapters.timeout_s)
+        return [await call_role("policy", call)]
+
+
+class _AdapterEndpoint:
+    """One endpoint of the shared policy as one run's code calls it (``route(item, key=None)``),
+    sent to the run's adapter's multiplexed endpoint instead."""
+
+    def __init__(self, endpoint: Any, adapter_id: str, timeout_s: float) -> None:
+        self.endpoint = endpoint
         self.adapter_id = adapter_id
         self.timeout_s = timeout_s
 
-    async def route(self, prompt: Any, key: Any = None) -> Any:
-        # key (the prompt's affinity) is dropped: the adapter routes (model_aware) and batches.
-        return await self.policy.generate_adapter.route(prompt, model_id=self.adapter_id, timeout=self.timeout_s)
+    async def route(self, item: Any, key: Any = None) -> Any:
+        # key (a prompt's or a session's affinity) is dropped: the adapter routes (model_aware) and batches.
+        return await self.endpoint.route(item, model_id=self.adapter_id, timeout=self.timeout_s)
 
 
 class AdapterView:
-    """The shared policy service as one run sees it: ``generate`` names the run's adapter."""
+    """The shared policy service as one run sees it: ``generate`` (rollouts), ``sample``
+    (held-out evaluation) and ``generate_turn`` (multi-turn rollouts) name the run's adapter."""
 
     def __init__(self, policy: Any, adapter_id: str, timeout_s: float) -> None:
-        self.generate = _AdapterGenerate(policy, adapter_id, timeout_s)
+        self.generate = _AdapterEndpoint(policy.generate_adapter, adapter_id, timeout_s)
+        self.sample = _AdapterEndpoint(policy.sample_adapter, adapter_id, timeout_s)
+        self.generate_turn = _AdapterEndpoint(policy.generate_turn_adapter, adapter_id, timeout_s)

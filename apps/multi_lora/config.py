@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from apps.common.roles import RUN_ENV
 from apps.grpo.config import GRPOConfig
 
 __all__ = ["AdapterRun", "MultiLoraConfig", "RunConfig"]
@@ -83,6 +84,8 @@ class MultiLoraConfig:
             except ValueError as exc:
                 raise ValueError(f"run {run.name!r}: {exc}") from exc
             check_run(run.name, cfg)
+            for section in (cfg.trainer, cfg.reward, cfg.env):  # a run's processes are told apart by it
+                section.env = {**section.env, RUN_ENV: run.name}
             out.append(RunConfig(run.name, cfg))
         first = out[0]
         for other in out[1:]:
@@ -94,6 +97,20 @@ class MultiLoraConfig:
                         f"one policy, so {key} must be the same in every run (set it in shared)"
                     )
         return out
+
+    def resume_points(self, resume: bool) -> dict[str, Path | None]:
+        """Each run's checkpoint to continue from (``--resume``: its newest; None: a fresh run);
+        as the GRPO app's, per run: ``--resume`` without one, or a fresh job over a run's
+        checkpoints, is an error naming the run."""
+        from apps.common.cli import checkpoint_to_resume
+
+        points = {}
+        for run in self.run_configs():
+            try:
+                points[run.name] = checkpoint_to_resume(run.grpo.checkpoint_dir, resume)
+            except (FileNotFoundError, FileExistsError) as exc:
+                raise type(exc)(f"run {run.name!r}: {exc}") from exc
+        return points
 
 
 @dataclass
@@ -113,16 +130,12 @@ def check_run(name: str, cfg: GRPOConfig) -> None:
             f"run {name!r}: weight_sync.transport is {cfg.weight_sync.transport!r}, expected 'message': each "
             "version's adapter tensors go to every policy replica, which keeps the newest on its own disk"
         )
-    if cfg.env.cls:
-        raise ValueError(f"run {name!r}: env.cls is set; multi-turn runs are not supported by apps.multi_lora")
     if not cfg.ref_from_base:
         raise ValueError(f"run {name!r}: reference.from_base is false; each run's reference is its adapter's base")
-    if cfg.eval.every:
-        raise ValueError(f"run {name!r}: eval.every is {cfg.eval.every}; held-out evaluation is not supported here")
-    if cfg.trainer.checkpoint_every:
+    if cfg.rollout.workers:
         raise ValueError(
-            f"run {name!r}: trainer.checkpoint_every is {cfg.trainer.checkpoint_every}; apps.multi_lora neither "
-            "resumes nor restarts trainers, so set it to 0"
+            f"run {name!r}: rollout.workers is {cfg.rollout.workers}; a run's groups are made in the job's process "
+            "(the policy is shared: set it to 0)"
         )
 
 

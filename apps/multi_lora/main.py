@@ -24,10 +24,16 @@ What it does:
    replica; the others go on. The job's ``summary.json`` says how each run ended, and the job
    exits non-zero if any run failed, naming it.
 
-Simplifications: no checkpoints, resume or trainer restarts (a dead trainer ends its run), no
-held-out evaluation or multi-turn runs; the policy's own metrics are not drained into any run's
-record (they would mix the runs). Policy replicas restart as in the GRPO app, and a restarted
-one loads every live run's newest adapter before it takes traffic.
+5. Each run trains as a GRPO run does (``apps.grpo.run_loop``): held-out evaluation
+   (``eval.every``, through the run's adapter), checkpoints (``trainer.checkpoint_every``) and
+   ``--resume`` (every run continues from its own newest checkpoint), a dead trainer replaced
+   from its run's newest checkpoint (``faults.trainer_max_restarts``), multi-turn runs
+   (``env.cls``: each turn sampled with the run's adapter, stamped with its version).
+
+Simplifications: the policy's own metrics are not drained into any run's record (they would
+mix the runs); a multi-turn run's turns are routed by adapter, not by session (a replica that
+holds the adapter may not hold the session's prefix). Policy replicas restart as in the GRPO
+app, and a restarted one loads every live run's newest adapter before it takes traffic.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import forge.controller  # noqa: F401  (before anything imports monarch)
 from apps.common import cli
 from apps.common.roles import POLICY_ENV, RoleFailed
-from apps.grpo.roles import RoleSpec, fault_options, policy_config, prepare_model, start_role
+from apps.grpo.roles import RoleSpec, fault_options, policy_config, prepare_data, prepare_model, start_role
 from apps.multi_lora.adapters import SharedAdapters
 from apps.multi_lora.run import RunResult, run_one
 
@@ -68,13 +74,16 @@ async def start_policy(first: RunConfig, model_path: str, max_loras: int) -> Any
     return await start_role(spec, cfg, {}, None, **fault_options(cfg))
 
 
-async def run(cfg: MultiLoraConfig, terminal: Any, resume_from: Path | None = None) -> str:
-    """Start the shared policy, run every run to its own end, stop; returns the summary."""
+async def run(cfg: MultiLoraConfig, terminal: Any, resume_from: dict[str, Path | None] | None = None) -> str:
+    """Start the shared policy, run every run to its own end (each from its checkpoint in
+    ``resume_from``, if any), stop; returns the summary."""
     t0 = time.perf_counter()
     runs = cfg.run_configs()
     for r in runs:
         cli.record_config(r.grpo, terminal, f"multi_lora/{r.name}")
     model_path = prepare_model(runs[0].grpo)
+    for r in runs[1:]:  # each run's own generated task, if it names one
+        prepare_data(r.grpo.data)
     max_loras = cfg.adapters_per_replica
     policy = None
     try:
@@ -83,7 +92,8 @@ async def run(cfg: MultiLoraConfig, terminal: Any, resume_from: Path | None = No
         raise RoleFailed("policy", f"the shared policy did not start: {exc}") from exc
     try:
         adapters = SharedAdapters(policy, runs[0].grpo.faults.health_timeout_s)  # also the policy's resync hook
-        results = await asyncio.gather(*(run_one(r, adapters, model_path, terminal) for r in runs))
+        points = resume_from or {}
+        results = await asyncio.gather(*(run_one(r, adapters, model_path, terminal, points.get(r.name)) for r in runs))
         models = policy.metrics().get("models", {})
     finally:
         await policy.shutdown()
@@ -125,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         run,
         argv,
         description="K LoRA GRPO runs sharing one policy service (see the module docstring).",
-        resumable=False,
         failures=(RoleFailed, RunsFailed),
     )
 

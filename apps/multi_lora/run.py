@@ -1,24 +1,26 @@
-"""One run of a multi-adapter job: the GRPO app's rollouts and step loop, on the shared policy.
+"""One run of a multi-adapter job: the GRPO app's training of a started run, on the shared policy.
 
-A run owns its trainer, reward service, buffer and dataset, started as the GRPO app starts them
-(``apps.grpo.roles``), and borrows the policy service through an ``AdapterView``. It ends on its
-own: its steps done, or its first failure (a reward that raises, a trainer that died, a role that
-will not start). Either way its roles stop and its adapter is evicted from every policy replica,
-and the other runs go on; ``run_one`` never raises, it returns the run's ``RunResult``.
+A run owns its trainer, reward service (or environment service, multi-turn), buffer and dataset,
+started as the GRPO app starts them (``apps.grpo.roles``), and borrows the policy service
+through an ``AdapterView``. It trains as a GRPO run does (``apps.grpo.run_loop``): held-out
+evaluation, checkpoints and ``--resume``, a dead trainer replaced from its newest checkpoint. It
+ends on its own: its steps done, or its first failure (a reward that raises, a trainer that died
+past its restarts, a role that will not start). Either way its roles stop and its adapter is
+evicted from every policy replica, and the other runs go on; ``run_one`` never raises, it
+returns the run's ``RunResult``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from apps.grpo.roles import Roles, fault_options, role_specs, start_all, start_local, start_role
-from apps.grpo.rollouts import Rollouts
-from apps.grpo.run_log import RunLog
-from apps.grpo.training import train
+from apps.grpo.faults import RoleWatch, resume_hint
+from apps.grpo.roles import RoleFailed, Roles, fault_options, role_specs, start_all, start_local, start_role
+from apps.grpo.run_loop import TrainingRun, eval_plan
 from apps.multi_lora.adapters import AdapterView, AdapterWeights, SharedAdapters
 from apps.multi_lora.config import RunConfig
 from forge.controller.errors import describe
@@ -27,8 +29,9 @@ __all__ = ["RunResult", "RunRoles", "run_one"]
 
 logger = logging.getLogger("forge.multi_lora")
 
-RUN_ROLES = ("reward", "trainer")
-"""The roles each run starts on processes of its own (the reference is the trainer's base)."""
+RUN_ROLES = ("reward", "trainer", "env")
+"""The roles each run starts on processes of its own (the reference is the trainer's base; the
+environment service only for a multi-turn run)."""
 
 
 class RunRoles(Roles):
@@ -57,42 +60,42 @@ class RunResult:
         return dict(self.__dict__)
 
 
-async def run_one(run: RunConfig, adapters: SharedAdapters, model_path: str, terminal: Any) -> RunResult:
-    """Train one run to its end on the shared policy; its failure is returned, not raised."""
+async def run_one(
+    run: RunConfig, adapters: SharedAdapters, model_path: str, terminal: Any, resume_from: Path | None = None
+) -> RunResult:
+    """Train one run to its end on the shared policy (from checkpoint ``resume_from`` if given),
+    as the GRPO app trains (``apps.grpo.run_loop``: evaluation, checkpoints, trainer restarts,
+    multi-turn); its failure is returned, not raised."""
+    from forge.controller.provisioner import add_fault_listener
+
     cfg = run.grpo
     t0 = time.perf_counter()
     roles = RunRoles()
-    log: RunLog | None = None
-    rollouts: Rollouts | None = None
-    tasks: list[asyncio.Task] = []
+    watch = RoleWatch(cfg)
+    add_fault_listener(watch)  # this run's trainer: the watch knows its mesh by name
+    training: TrainingRun | None = None
     result = RunResult(run.name, ok=False, steps=0, seconds=0.0)
     try:
+        plan = eval_plan(cfg, model_path)  # its held-out prompts, checked before its roles start
         await adapters.add(run.name)
         roles.policy = AdapterView(adapters.policy, run.name, cfg.faults.health_timeout_s)
         await start_run_roles(run, model_path, roles)
         roles.weights = AdapterWeights(roles.trainer, adapters, run.name, cfg.faults.health_timeout_s)
-        log = RunLog(cfg, terminal, started=t0)
-        rollouts = Rollouts.from_config(cfg, roles)
-        tasks = [*rollouts.start(), asyncio.create_task(train(cfg, roles, rollouts, log), name=f"train-{run.name}")]
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            task.result()  # the step loop's error, or a rollout worker's (they never return)
-        log.close()
+        training = TrainingRun(cfg, model_path, roles, watch, terminal, started=t0, resume_from=resume_from, plan=plan)
+        await training.run()
         result.ok = True
-        result.summary = log.summary(time.perf_counter() - t0, 0.0)
+        result.summary = training.summary()
     except Exception as exc:
-        result.error = describe(exc, limit=600, typed=True)
+        root = watch.error if watch.error is not None else exc  # a role gone for good is the root cause
+        result.error = describe(root, limit=600, typed=True)
+        if isinstance(root, RoleFailed) and root.role == "trainer" and "the run stopped:" not in root.detail:
+            result.error += f"; the run stopped: {resume_hint(cfg)}"
         logger.warning("run %s failed; the other runs go on: %s", run.name, result.error)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if rollouts is not None:
-            await rollouts.close()
-        if log is not None:
-            log.close()
-            result.steps = len(log.rows)
+        if training is not None and training.log is not None:
+            result.steps = len(training.log.rows)
         result.evicted_from = await adapters.retire(run.name)
+        watch.stopping = True  # stays installed: late reports of this run's stopped processes are silenced
         await roles.stop()
         result.seconds = time.perf_counter() - t0
     return result

@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
-from forge.actors.policy import PackedGroups, Policy, PolicyConfig
+from forge.actors.policy import PackedGroups, PackedTurns, Policy, PolicyConfig
 from forge.controller import Batching, endpoint, model_loader
 from forge.controller.multiplex import model_store
 from forge.generation.lora import ServedAdapter
+from forge.types import SampleRequest, TurnRequest
 
 __all__ = ["MultiLoraPolicy", "multi_lora_engine_kwargs"]
 
@@ -77,7 +78,60 @@ class MultiLoraPolicy(Policy):
         seeds = self.sample_seeds(prompts, adapter.version)
         texts = [p.text for p in prompts]
         outputs = await self._sample(texts, cfg.group_size, "policy/batch_prompts", adapter=adapter, seed=seeds)
-        return PackedGroups.pack(prompts, outputs, cfg.group_size, adapter.version)
+        return PackedGroups.pack(prompts, outputs, adapter.version)
+
+    @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_groups"), multiplexed=True)
+    async def sample_adapter(self, adapter: ServedAdapter, requests: list[SampleRequest]) -> PackedGroups:
+        """``Policy.sample`` with the batch's adapter: held-out evaluation of one run beside its
+        training. A multiplexed batch is keyed by the adapter alone, so it may mix settings (a
+        greedy and a sampled request): one engine call per settings in the batch."""
+        by_settings: dict[tuple[int, float, int], list[int]] = {}
+        for i, request in enumerate(requests):
+            by_settings.setdefault(request.settings, []).append(i)
+        outputs: list[Any] = [None] * len(requests)
+        for (n, temperature, max_tokens), indices in by_settings.items():
+            prompts = [requests[i].prompt for i in indices]
+            sampled = await self._sample(
+                [p.text for p in prompts],
+                n,
+                "policy/sample_batch",
+                temperature=temperature,
+                max_tokens=max_tokens,
+                adapter=adapter,
+                seed=self.sample_seeds(prompts, adapter.version),
+            )
+            for i, completions in zip(indices, sampled):
+                outputs[i] = completions
+        return PackedGroups.pack([r.prompt for r in requests], outputs, adapter.version)
+
+    @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_turns"), multiplexed=True)
+    async def generate_turn_adapter(self, adapter: ServedAdapter, requests: list[TurnRequest]) -> PackedTurns:
+        """``Policy.generate_turn`` with the batch's adapter: one multi-turn run's turns, each
+        stamped with the adapter version that sampled it."""
+        inputs = [r.history_ids for r in requests]
+        samples = [group[0] for group in await self._sample(inputs, 1, "policy/turn_batch", adapter=adapter)]
+        return PackedTurns.build(
+            token_ids=[c.token_ids for c in samples],
+            logprobs=[c.logprobs for c in samples],
+            texts=[c.text for c in samples],
+            finish_reasons=[c.finish_reason for c in samples],
+            policy_version=adapter.version,
+        )
+
+    @endpoint(batch=Batching(max_size=1), multiplexed=True)
+    async def probe_adapter(
+        self, adapter: ServedAdapter, prompts: list[list[int]]
+    ) -> list[tuple[int, list[int], list[float]]]:
+        """``Policy.probe`` with the adapter (a batch of one): the version served and one sample
+        of the prompt's ids, for the trainer to score the same tokens after a restore."""
+        (completions,) = await self._sample(prompts, 1, "policy/probe_batch", adapter=adapter, seed=[0])
+        (sample,) = completions
+        return [(adapter.version, sample.token_ids.tolist(), sample.logprobs.tolist())]
+
+    @endpoint
+    async def adapter_version(self, adapter_id: str) -> int:
+        """The version of ``adapter_id`` this replica serves next (its catalog's newest; 0: the base)."""
+        return self._catalog.newest(adapter_id)[1]
 
     # ------------------------------------------------------------------ the runs' weight syncs
     @endpoint
@@ -86,11 +140,14 @@ class MultiLoraPolicy(Policy):
         self._catalog.add(adapter_id)
 
     @endpoint
-    async def update_adapter(self, adapter_id: str, adapter: Mapping[str, torch.Tensor], version: int) -> int:
+    async def update_adapter(
+        self, adapter_id: str, adapter: Mapping[str, torch.Tensor], version: int, rollback: bool = False
+    ) -> int:
         """Record ``version`` of ``adapter_id`` (its tensors) as the one to serve; if this replica
         holds the adapter, swap it in now (endpoints run one at a time: no batch is mid-call).
-        Returns ``version``."""
-        folder = self._catalog.receive(adapter_id, adapter, version)
+        An older version than the one served is refused unless ``rollback`` (a run restored from
+        its checkpoint: a resume, a replaced trainer). Returns ``version``."""
+        folder = self._catalog.receive(adapter_id, adapter, version, rollback)
         held = model_store(self).models.get(adapter_id)
         if held is not None:
             new = self.engine.load_adapter(folder, version)

@@ -151,12 +151,13 @@ class PackedGroups(Packed):
     Monarch serialises each tensor of a message separately, at a fixed cost per tensor: a batch
     of 16 prompts x 8 completions as ``Completion`` objects is 384 tensors, a large share of the
     tiny model's generation time (``docs/benchmarks.md``); packed it is three. Its items are the
-    completions, prompt after prompt; the prompts are shared. The service unpacks it into
+    completions, prompt after prompt (``group_sizes[i]`` of prompt ``i``: a batch of held-out
+    requests may mix greedy and sampled ones); the prompts are shared. The service unpacks it into
     ``PackedGroup``s (the endpoint's ``debatch``), so callers of ``generate.route`` never see it.
     """
 
     prompts: list[Prompt] = shared()
-    group_size: int = shared()
+    group_sizes: list[int] = shared()  # completions per prompt
     prompt_lens: list[int] = shared()  # per prompt
     prompt_ids: torch.Tensor = shared()  # int64 [sum of prompt lengths]
     response_lens: list[int] = per_item()  # per completion, prompt-major
@@ -167,13 +168,12 @@ class PackedGroups(Packed):
     policy_version: int = shared()
 
     @classmethod
-    def pack(
-        cls, prompts: list[Prompt], outputs: list[list[Completion]], group_size: int, version: int
-    ) -> PackedGroups:
+    def pack(cls, prompts: list[Prompt], outputs: list[list[Completion]], version: int) -> PackedGroups:
+        """``outputs[i]``: the completions of ``prompts[i]`` (at least one)."""
         flat = [c for group in outputs for c in group]
         return cls.build(
             prompts=prompts,
-            group_size=group_size,
+            group_sizes=[len(g) for g in outputs],
             prompt_lens=[int(g[0].prompt_ids.numel()) for g in outputs],
             prompt_ids=torch.cat([g[0].prompt_ids for g in outputs]),
             token_ids=[c.token_ids for c in flat],
@@ -186,7 +186,7 @@ class PackedGroups(Packed):
     def unpack(self) -> list[PackedGroup]:
         """One ``PackedGroup`` per prompt: slices of the flat tensors, no per-completion objects."""
         prompt_ids = split_for_wire(self.prompt_ids, self.prompt_lens)
-        groups = self.split([self.group_size] * len(self.prompts))
+        groups = self.split(self.group_sizes)
         return [
             PackedGroup(
                 prompt,
@@ -272,7 +272,7 @@ class Policy(ForgeActor):
         # Cut at max_tokens: scored and (unless trainer.mask_truncated) trained as if finished.
         record_metric("policy/truncated_fraction", finished.count("length") / max(len(finished), 1))
         record_metric("policy/tokens", sum(int(c.token_ids.numel()) for group in outputs for c in group), "sum")
-        return PackedGroups.pack(prompts, outputs, cfg.group_size, self.engine.version)
+        return PackedGroups.pack(prompts, outputs, self.engine.version)
 
     @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, key=lambda r: r.settings, debatch="unpack_groups"))
     async def sample(self, requests: list[SampleRequest]) -> PackedGroups:
@@ -290,7 +290,7 @@ class Policy(ForgeActor):
             max_tokens=max_tokens,
             seed=self.sample_seeds(prompts, self.engine.version),
         )
-        return PackedGroups.pack(prompts, outputs, n, self.engine.version)
+        return PackedGroups.pack(prompts, outputs, self.engine.version)
 
     @staticmethod
     def unpack_turns(packed: PackedTurns, n: int) -> list[TurnResult]:

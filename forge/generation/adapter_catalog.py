@@ -50,17 +50,19 @@ class AdapterCatalog:
         if adapter_id not in self._entries:
             self._entries[adapter_id] = _Entry(AdapterInbox(self.settings, self.base_model, weights_dir=None))
 
-    def receive(self, adapter_id: str, adapter: Mapping[str, torch.Tensor], version: int) -> str:
+    def receive(
+        self, adapter_id: str, adapter: Mapping[str, torch.Tensor], version: int, rollback: bool = False
+    ) -> str:
         """Record ``version`` of ``adapter_id`` (its tensors, PEFT names) as its newest; returns
         the folder it is in. A version older than the one recorded is a ``ValueError`` (a late
-        sync must not roll a run back)."""
+        sync must not roll a run back) unless ``rollback``: a run restored from a checkpoint."""
         entry = self._entry(adapter_id)
         if isinstance(adapter, str):
             raise ValueError(
                 f"a multi-adapter policy takes each version's adapter tensors (weight_sync.transport 'message'), "
                 f"got the path {adapter!r}"
             )
-        if version < entry.version:
+        if version < entry.version and not rollback:
             raise ValueError(f"adapter {adapter_id!r}: version {version} is older than the {entry.version} it serves")
         entry.folder = entry.inbox.receive(adapter, version)
         entry.version = version

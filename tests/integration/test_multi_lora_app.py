@@ -34,10 +34,14 @@ smaller gain. A policy that never serves the trained adapter gains about 0."""
 
 
 def _start_job(
-    tmp_path: Path, runs: list[dict], max_loras: int, shared: tuple[str, ...] = (f"steps={STEPS}", "prompts_per_step=4")
+    tmp_path: Path,
+    runs: list[dict],
+    max_loras: int,
+    shared: tuple[str, ...] = (f"steps={STEPS}", "prompts_per_step=4"),
+    args: tuple[str, ...] = (),
 ) -> subprocess.Popen:
     """The app on a config of ``runs`` (3 steps of 4 prompts x 4 each unless ``shared`` or a run
-    overrides them)."""
+    overrides them); ``args``: more command-line arguments (``--resume``)."""
     config = {
         "grpo": "configs/grpo_tiny_lora.yaml",
         "shared": [
@@ -55,8 +59,8 @@ def _start_job(
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    args = [sys.executable, "-m", "apps.multi_lora.main", "--config", str(tmp_path / "job.yaml")]
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "apps.multi_lora.main", "--config", str(tmp_path / "job.yaml"), *args]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish_job(proc: subprocess.Popen, tmp_path: Path, timeout: float = 140) -> tuple[int, str, dict]:
@@ -195,6 +199,96 @@ def test_a_run_whose_trainer_dies_ends_alone_while_the_other_trains_on(tmp_path:
     assert (a["ok"], a["steps"]) == (True, 8), a
     assert not b["ok"] and 1 <= b["steps"] < 8 and "trainer" in b["error"], b
     assert b["evicted_from"] == 1, b
+
+
+MULTITURN = (
+    "env.cls=forge.envs.toy:ReverseWithFeedback",
+    "env.options={max_guesses: 3}",
+    "env.max_turns=3",
+    "env.env={OMP_NUM_THREADS: '1'}",
+)
+"""A run that plays ``configs/multiturn_tiny.yaml``'s reversal game with feedback."""
+
+
+def test_a_run_evaluates_through_its_adapter_while_a_multi_turn_run_trains_beside_it(tmp_path: Path) -> None:
+    """Run a (a generated addition task, eval.every=2): held-out evaluations at step 0 (its
+    adapter's version 0, the base) and after its last step, each sampled with the adapter version
+    of the step it evaluates. Run b plays the multi-turn game on the same replica: more than one
+    turn per trajectory, every turn from its own adapter (a policy age of at most 1 at each step;
+    the base's turns would be 2 versions old by step 3)."""
+    runs = [
+        {
+            "name": "a",
+            "overrides": [
+                "seed=0",
+                "data.source=dataset",
+                f"data.path={tmp_path / 'addition'}",
+                "data.make_if_missing={task: addition, digits: 1, train_size: 80, test_size: 20}",
+                "reward.fns={exact_match: 1.0}",
+                "eval.every=2",
+                "eval.data.split=test",
+                "eval.max_prompts=8",
+                "eval.samples=2",
+            ],
+        },
+        {"name": "b", "overrides": ["seed=1", *MULTITURN]},
+    ]
+    code, err, summary = _run_job(tmp_path, runs, max_loras=2)
+    assert code == 0, err[-3000:]
+    assert [(r["name"], r["ok"], r["steps"]) for r in summary["runs"]] == [("a", True, STEPS), ("b", True, STEPS)]
+    rows = _rows(tmp_path, "a")
+    evals = [
+        (r["step"], r["eval/step"], r["eval/policy_version"], r["eval/prompts"]) for r in rows if "eval/accuracy" in r
+    ]
+    assert evals[0] == (1, 0, 0, 8) and evals[-1] == (STEPS, STEPS, STEPS, 8), evals
+    rows = _rows(tmp_path, "b")
+    assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1)), rows
+    assert all(0 <= r["policy_age_mean"] <= 1 for r in rows), [r["policy_age_mean"] for r in rows]
+    turns = [r["rollout/turns"] for r in rows if "rollout/turns" in r]
+    assert turns and max(turns) > 1.5, turns
+
+
+def test_a_dead_trainer_is_replaced_from_its_runs_checkpoint_and_the_job_resumes_each_run(tmp_path: Path) -> None:
+    """Every run checkpoints every 2 steps. SIGKILL of run b's trainer after its step 3: a new
+    trainer loads b's step-2 checkpoint, every replica serves b's adapter at version 2 again
+    (its catalog's version; the logprobs of a probe sampled with it equal the trainer's), b
+    trains steps 3..6 again and the job exits 0, run a untouched. Then the same job with
+    steps=8 and --resume: each run continues from its own step-6 checkpoint, steps 7 and 8
+    appended to its metrics."""
+    from apps.grpo.faults import role_processes
+
+    runs = [{"name": "a", "overrides": ["seed=0"]}, {"name": "b", "overrides": ["seed=1"]}]
+    shared = ("prompts_per_step=4", "trainer.checkpoint_every=2", "faults.health_timeout_s=30")
+    proc = _start_job(tmp_path, runs, max_loras=2, shared=("steps=6", *shared))
+    deadline = time.monotonic() + 100
+    while len(_rows(tmp_path, "b")) < 3:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _finish_job(proc, tmp_path)
+            pytest.fail("run b never logged 3 steps")
+        time.sleep(0.2)
+    victims = role_processes(proc.pid, "trainer", run="b")
+    assert len(victims) == 1, victims
+    victims[0].kill()
+    code, err, summary = _finish_job(proc, tmp_path)
+    assert code == 0, err[-3000:]
+    a, b = summary["runs"]
+    assert (a["ok"], a["steps"], b["ok"], b["steps"]) == (True, 6, True, 6), summary
+    rows = _rows(tmp_path, "b")
+    assert [r["step"] for r in rows] == list(range(1, 7)) and [r["policy_version"] for r in rows] == list(range(1, 7))
+    (restored,) = [r for r in rows if "weight_sync/restore/policy0_version" in r]
+    assert restored["step"] == 3 and restored["restarts/trainer"] == 1, restored
+    assert restored["weight_sync/restore/policy0_version"] == 2, restored
+    assert restored["weight_sync/restore/policy0_logprob_gap"] <= 1e-3, restored
+    assert [r["step"] for r in _rows(tmp_path, "a")] == list(range(1, 7))
+
+    code, err, summary = _finish_job(
+        _start_job(tmp_path, runs, 2, shared=("steps=8", *shared), args=("--resume",)), tmp_path
+    )
+    assert code == 0, err[-3000:]
+    for name in ("a", "b"):
+        rows = _rows(tmp_path, name)
+        assert [r["step"] for r in rows] == list(range(1, 9)), (name, [r["step"] for r in rows])
+        assert [r["policy_version"] for r in rows[6:]] == [7, 8], (name, rows[6:])
 
 
 @pytest.mark.slow  # ~5 min; by default: newest adapters served (test_multi_lora_policy), trained (test_trainer_lora)

@@ -81,8 +81,9 @@ async def test_trainer_input_is_the_sampled_and_env_ids_of_three_turns_byte_for_
             Roles(policy=policy, reference=reference, env=env), 4, max_turns=3, max_tokens=4, max_model_len=256
         )
         group = await groups.make(Prompt("p", "12=", "21"), "g")
-        episodes = EpisodeBatch.concat([group]).unpack()  # as the buffer hands them to the trainer
-        batch = Trainer._pack(SimpleNamespace(config=TrainerConfig(model_path="unused")), episodes)
+        trained = EpisodeBatch.concat([group])  # as the buffer hands them to the trainer
+        batch = Trainer._pack(SimpleNamespace(config=TrainerConfig(model_path="unused")), trained)
+        episodes = trained.unpack()
         records = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
         assert len(records) == len(episodes) == 4
         expected_rows = set()

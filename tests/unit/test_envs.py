@@ -58,10 +58,10 @@ def test_trainer_input_ids_are_the_sampled_and_env_ids_concatenated_across_three
     episode = traj.to_episode("g", ref_logprobs=torch.zeros(len(expected) - 4), advantage=1.0)
     single_turn = EpisodeBatch.pack([traj.to_episode("h", torch.zeros(len(expected) - 4), 0.0)])
     single_turn.loss_mask = None  # a batch from single-turn rollouts, concatenated with ours
-    (back,) = [
-        e for e in EpisodeBatch.concat([EpisodeBatch.pack([episode]), single_turn]).unpack() if e.group_id == "g"
-    ]
-    batch = Trainer._pack(SimpleNamespace(config=TrainerConfig(model_path="unused", stop_token_ids=[12])), [back])
+    joined = EpisodeBatch.concat([EpisodeBatch.pack([episode]), single_turn])
+    (back,) = [e for e in joined.unpack() if e.group_id == "g"]
+    ours = joined.rows(0, 1)  # group g's episode, as the trainer slices a micro-batch
+    batch = Trainer._pack(SimpleNamespace(config=TrainerConfig(model_path="unused", stop_token_ids=[12])), ours)
     assert batch.input_ids[0].tolist() == expected
     sampled_mask = [False] * 3 + [True] * 3 + [False] * 2 + [True] * 2 + [False] * 3 + [True] * 4
     assert batch.loss_mask[0].tolist() == sampled_mask  # columns: the token predicted at t+1

@@ -101,7 +101,7 @@ class ScriptedPolicy(ForgeActor):
             ]
             for _ in prompts
         ]
-        return PackedGroups.pack(prompts, outputs, len(_REWARDS), 7).unpack()
+        return PackedGroups.pack(prompts, outputs, 7).unpack()
 
     @endpoint(batch=Batching(max_size=64, max_wait_s=0.002))
     async def score_groups(self, groups: list[tuple[Prompt, list[str]]]) -> list[list[float | Exception]]:

@@ -81,7 +81,7 @@ def test_packed_groups_round_trip_and_each_piece_travels_alone():
         for _ in prompts
     ]
     outputs[1] = [Completion(torch.tensor([7, 8, 9, 10, 11]), c.token_ids, c.logprobs, c.text, 3) for c in outputs[1]]
-    groups = PackedGroups.pack(prompts, outputs, group_size=2, version=3).unpack()
+    groups = PackedGroups.pack(prompts, outputs, version=3).unpack()
     assert [g.prompt.text for g in groups] == ["12=", "3456="]
     assert [g.response_lens for g in groups] == [[200, 400], [200, 400]] and [len(g) for g in groups] == [2, 2]
     for group in groups:  # the group's own slice goes to the reference alone

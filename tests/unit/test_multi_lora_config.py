@@ -105,6 +105,16 @@ def test_catalog_keeps_each_adapters_newest_folder_and_refuses_older_or_unknown(
     assert catalog.ids() == ["b"]
 
 
+def test_a_restored_run_rolls_its_adapter_back_to_the_checkpoints_version(tmp_path: Path) -> None:
+    """rollback=True (a resume, a replaced trainer): version 3 is served, then version 2 of the
+    checkpoint becomes the newest, its own folder the one to load."""
+    catalog = AdapterCatalog(LoraSettings(rank=2, target_modules=["q_proj"]), str(tmp_path))
+    catalog.add("a")
+    catalog.receive("a", _tensors(3.0), 3)
+    restored = catalog.receive("a", _tensors(2.0), 2, rollback=True)
+    assert catalog.newest("a") == (restored, 2) and (Path(restored) / ADAPTER_WEIGHTS).is_file()
+
+
 def test_the_inbox_takes_only_adapter_tensors_and_adapter_folders_of_the_run(tmp_path: Path) -> None:
     """A LoRA policy's inbox: tensors without PEFT's lora_ names (a full state dict) are refused
     naming one; a folder inside the run's weight folder is taken as it is, one outside refused;

@@ -163,12 +163,12 @@ def test_policy_groups_reach_each_caller_with_their_own_completions():
     """PackedGroups.pack -> the wire -> Policy.unpack_groups: each prompt its own completions, field for field."""
     prompts = [_prompt(0), _prompt(1)]
     outputs = [_completions(7, [2, 1, 3], 1000), _completions(7, [1, 4, 2], 2000)]
-    got = Policy.unpack_groups(_wire(PackedGroups.pack(prompts, outputs, group_size=3, version=7)), 2)
+    got = Policy.unpack_groups(_wire(PackedGroups.pack(prompts, outputs, version=7)), 2)
     for group, prompt, want in zip(got, prompts, outputs, strict=True):
         assert group.prompt == prompt and group.policy_version == 7 and len(group) == 3
         _same(group.completions, want, prompt.prompt_id)
     with pytest.raises(ValueError, match="returned 2 groups for 3 prompts"):
-        Policy.unpack_groups(PackedGroups.pack(prompts, outputs, group_size=3, version=7), 3)
+        Policy.unpack_groups(PackedGroups.pack(prompts, outputs, version=7), 3)
 
 
 def test_a_plain_group_packs_into_its_own_fields():
