@@ -31,7 +31,7 @@ from forge.controller.replica import ReplicaState  # noqa: E402
 from forge.generation.weight_folder import private_folder  # noqa: E402
 from forge.models import sequence_logprobs  # noqa: E402
 from forge.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, random_adapter, write_adapter_folder  # noqa: E402
-from forge.types import Prompt  # noqa: E402
+from forge.types import Prompt, SampleRequest, TurnRequest  # noqa: E402
 from tests.numerics import assert_close_to_scale  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,12 +48,25 @@ def _adapter(model_dir: Path, seed: int) -> tuple[torch.nn.Module, dict[str, tor
 
 
 async def _check(svc, adapter_id: str, want_model: torch.nn.Module, version: int) -> None:
+    """Rollouts (``generate_adapter``), held-out samples (``sample_adapter``) and multi-turn turns
+    (``generate_turn_adapter``) naming ``adapter_id``: each sampled with that adapter's ``version``."""
     groups = [await svc.generate_adapter.route(p, model_id=adapter_id, timeout=TIMEOUT_S) for p in PROMPTS]
+    samples = [SampleRequest(p, n=2, temperature=1.0, max_tokens=4) for p in PROMPTS]
+    groups += await asyncio.gather(
+        *(svc.sample_adapter.route(r, model_id=adapter_id, timeout=TIMEOUT_S) for r in samples)
+    )
     completions = [c for g in groups for c in g.completions]
     assert {c.policy_version for c in completions} == {version}, adapter_id
-    want = sequence_logprobs(want_model, [c.prompt_ids for c in completions], [c.token_ids for c in completions], 1.0)
-    got = torch.cat([c.logprobs for c in completions])
-    assert_close_to_scale(got, torch.cat(want), rel=1e-3, scale=1.0, what=f"{adapter_id} v{version} logprobs")
+    prompt_ids, token_ids = [c.prompt_ids for c in completions], [c.token_ids for c in completions]
+    got = [c.logprobs for c in completions]
+    history = completions[0].prompt_ids
+    turn = await svc.generate_turn_adapter.route(TurnRequest("s", history), model_id=adapter_id, timeout=TIMEOUT_S)
+    assert turn.policy_version == version, adapter_id
+    prompt_ids, token_ids, got = [*prompt_ids, history], [*token_ids, turn.token_ids], [*got, turn.logprobs]
+    want = sequence_logprobs(want_model, prompt_ids, token_ids, 1.0)
+    assert_close_to_scale(
+        torch.cat(got), torch.cat(want), rel=1e-3, scale=1.0, what=f"{adapter_id} v{version} logprobs"
+    )
 
 
 async def _refuses_untrusted_adapter_folders(svc, run_folder: Path, tmp_path: Path, tensors: dict) -> None:

@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from waits import bounded, until
+from waits import DEATH_NOTICED_S, bounded, until
 
 from forge.controller import (
     Batching,
@@ -124,7 +124,7 @@ async def test_process_exit_inside_endpoint_is_reported_and_replica_restarts():
     svc = await Worker.options(num_replicas=2, restart_backoff_s=0.2).as_service()
     try:
         with pytest.raises(ReplicaFailed):
-            await bounded(svc.crash.route(), "ReplicaFailed for a call whose process exited", 20)
+            await bounded(svc.crash.route(), "ReplicaFailed for a call whose process exited", DEATH_NOTICED_S)
         # The healthy list is kept between state changes: it follows them.
         replicas = svc.service.replicas
         assert svc.service.healthy_replicas() == [r for r in replicas if r.state is ReplicaState.HEALTHY]
@@ -143,7 +143,7 @@ async def test_with_max_restarts_0_a_dead_replica_stays_down_and_callers_are_tol
     svc = await Worker.options(num_replicas=1, max_restarts=0, restart_backoff_s=0.1).as_service()
     try:
         with pytest.raises(ReplicaFailed):
-            await bounded(svc.crash.route(), "ReplicaFailed for a call whose process exited", 20)
+            await bounded(svc.crash.route(), "ReplicaFailed for a call whose process exited", DEATH_NOTICED_S)
         gave_up = "max_restarts=0 allows no restart"
         await until(lambda: gave_up in caplog.text, "the service to give the replica up", 20)
         replica = svc.service.replicas[0]
@@ -167,7 +167,7 @@ async def test_non_idempotent_endpoint_is_not_retried():
         target = busy[0]
         os.kill(pids[target.replica_id], signal.SIGKILL)
         with pytest.raises(ReplicaFailed, match="process (failed|died)"):
-            await bounded(call, "ReplicaFailed for a retry=False request whose replica died", 20)
+            await bounded(call, "ReplicaFailed for a retry=False request whose replica died", DEATH_NOTICED_S)
         assert svc.metrics()["retried"] == 0
     finally:
         await svc.shutdown()
