@@ -170,7 +170,7 @@ def role_processes(app_pid: int, role: str, run: str | None = None) -> list[Any]
     for child in psutil.Process(app_pid).children(recursive=True):
         try:
             env = child.environ()
-            if False:
+            if run is not None and env.get(RUN_ENV) != run:
                 continue
             if env.get(ROLE_ENV) == role and child.parent().environ().get(ROLE_ENV) != role:
                 found.append(child)
