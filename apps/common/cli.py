@@ -16,14 +16,13 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
-C = TypeVar("C")
 Run = Callable[[Any, Any, Any], Awaitable[str]]
 """``run(cfg, terminal, resume_from)``: ``resume_from`` is ``resume_point``'s answer."""
 
@@ -119,7 +118,7 @@ async def _run_until_signalled(run: Run, cfg: Any, terminal: Any, resume_from: P
 
 def main(
     app: str,
-    schema: Callable[[], type[C]],
+    schema: str,
     run: Run,
     argv: list[str] | None,
     *,
@@ -127,8 +126,8 @@ def main(
     resumable: bool = True,
     failures: tuple[type[BaseException], ...] = (),
 ) -> int:
-    """Parse ``argv``, load the config (``schema()`` is the config class, imported late so that
-    Monarch is configured first), run ``run(cfg, terminal, resume_from)`` and return the exit
+    """Parse ``argv``, load the config (``schema`` names its class as ``module:Class``, imported
+    late so that Monarch is configured first), run ``run(cfg, terminal, resume_from)`` and return the exit
     code; ``failures`` are the exception types that mean "the run failed" (besides forge's own).
     ``resume_from`` is ``resume_point(cfg, --resume)``; None when the app is not ``resumable``."""
     from forge.controller import ForgeError, quiet_monarch
@@ -142,9 +141,10 @@ def main(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(f"python -m apps.{app}.main", description, argv, resume=resumable)
     from forge.config import ConfigError, load_config
+    from forge.plugins import import_object
 
     try:
-        cfg = load_config(schema(), args.config, args.overrides)
+        cfg = load_config(import_object(schema, f"the {app} app's config"), args.config, args.overrides)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"{app}: bad config: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -1,11 +1,18 @@
-"""Config sections the apps share: where records come from, how they are shown to the model,
-how held-out evaluation samples and scores, and W&B."""
+"""Config sections the apps share, meaning the same in each: the model, where a role runs, the
+policy, the weight sync, the outputs (and W&B), where records come from and how they are shown
+to the model, how held-out evaluation samples and scores; and ``RunSections``, the base of every
+app's root config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from omegaconf import MISSING
+
+from forge.actors.policy import PolicySettings
+from forge.controller.jobs import HostsConfig
 from forge.data.datasets import DataSource
 
 
@@ -77,3 +84,137 @@ class WandbSection:
     """``online``, ``offline`` or ``disabled``; empty: online if W&B is configured on this machine
     (``WANDB_API_KEY``, ``wandb login``) or ``WANDB_MODE`` says so, else offline (``wandb sync``
     uploads it later)."""
+
+
+@dataclass(kw_only=True)
+class TinyModel:
+    """The tiny random-init model made at ``model.path`` (CPU demos and tests)."""
+
+    make_if_missing: bool = False
+    """Make the tiny model at ``model.path`` when no model is there."""
+    arch: str = "qwen2"
+    """``qwen2`` or ``qwen3``."""
+    hidden_size: int = 128
+    """Model width, a multiple of 64."""
+    num_layers: int = 2
+    """Decoder layers."""
+    seed: int = 0
+    """Seed of the random init."""
+    init_std: float = 0.02
+    """Std of the normal weight init."""
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    path: str = MISSING
+    """Hugging Face checkpoint folder shared by policy, reference and trainer (required)."""
+    tiny: TinyModel = field(default_factory=TinyModel)
+    """The tiny model to make at ``path`` if ``tiny.make_if_missing`` and none is there."""
+    tokenizer: str = ""
+    """A folder whose tokenizer the run expects (e.g. the base model an SFT checkpoint came
+    from): ``path``'s own must be the same one, or the run stops at start-up naming both.
+    Empty: no check beyond ``path``'s tokenizer fitting its embeddings."""
+
+
+@dataclass(kw_only=True)
+class Placement:
+    """Where a role runs (see ``forge.controller.ActorOptions``)."""
+
+    procs: int = 1
+    """Processes per replica (on each of its hosts)."""
+    num_replicas: int = 1
+    """Replicas (services only)."""
+    hosts: int = 1
+    """Hosts per replica, from the ``hosts`` section's pool: the replica's ``procs`` processes
+    run on each of them, as one SPMD mesh of ``hosts x procs`` ranks."""
+    with_gpus: bool = False
+    """Give each process ``gpus_per_proc`` GPUs of its own, from the visible ones that no
+    role's ``gpus`` lists."""
+    gpus: list[str] | None = None
+    """Exactly these device ids for the role (implies ``with_gpus``), split over its replicas
+    and processes. Roles may list the same ids to share GPUs, e.g. ``["0"]`` for all on one GPU."""
+    gpus_per_proc: int = 1
+    """GPUs each process sees; a vLLM policy with ``engine_kwargs.tensor_parallel_size: k``
+    needs ``k``."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the role's processes."""
+
+
+@dataclass(kw_only=True)
+class PolicySection(Placement, PolicySettings):
+    """The policy's settings (``forge.actors.policy.PolicySettings``) and placement. Keep
+    ``top_p`` at 1.0: the trainer's logprobs apply no nucleus mask."""
+
+
+@dataclass(kw_only=True)
+class WeightSyncSection:
+    transport: str = "message"
+    """``message``: tensors in a Monarch message via the controller; ``file``: the trainer copies
+    them into one of three safetensors files it keeps under ``dir`` (same host only) and the policy
+    maps that file (``forge.generation.weight_files``)."""
+    dir: str | None = None
+    """Folder the ``file`` transport's runs write in (the root); None: ``$XDG_RUNTIME_DIR/forge``
+    when that is set, else ``/dev/shm/forge-<uid>``. It must be yours, not a symlink, and not
+    writable by other users (made 0700 if missing); each run writes in a ``run-*`` folder of its
+    own inside, which its policy alone loads from and which is removed when the run ends
+    (``forge.generation.weight_folder``)."""
+
+    def root(self) -> Path:
+        """The folder ``dir`` names, or the default one (not checked or created here)."""
+        from forge.generation.weight_folder import weight_root
+
+        return weight_root(self.dir)
+
+
+@dataclass(kw_only=True)
+class LoggingSection:
+    output_dir: str = "outputs/grpo"
+    """Where ``metrics.jsonl``, the plot and TensorBoard events go."""
+    sinks: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Metric sinks: ``jsonl`` (``metrics.jsonl``), ``tensorboard`` (if installed), ``console``
+    (one log line per step)."""
+    plot: bool = True
+    """Write ``<output_dir>/reward_loss.png`` at the end."""
+    progress_bar: bool = True
+    """Show a progress bar with reward, loss and step time."""
+    wandb: WandbSection = field(default_factory=WandbSection)
+    """The ``wandb`` sink's project, run name and mode."""
+
+
+@dataclass(kw_only=True)
+class RunSections:
+    """The sections of every app's root config (GRPO, SFT, eval): the seed, the checkpoint, the
+    policy's vLLM engine and placement, the hosts and the outputs. An app adds its own."""
+
+    seed: int = 0
+    """Seed of the data order, the policy's sampling and the trainer."""
+    model: ModelSection = field(default_factory=ModelSection)
+    policy: PolicySection = field(default_factory=PolicySection)
+    hosts: HostsConfig = field(default_factory=HostsConfig)
+    """Machines beyond the controller's (a Slurm or Kubernetes job, running workers); with one,
+    the role processes run on its hosts."""
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+
+@dataclass(kw_only=True)
+class TrainingSections(RunSections):
+    """A root config whose run trains (GRPO, SFT): how the trainer's weights reach the policy,
+    and where its checkpoints go. The app's ``trainer`` section has ``checkpoint_every``."""
+
+    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
+    """How the trainer's weights reach the policy."""
+
+    def __post_init__(self) -> None:
+        if self.trainer.checkpoint_every < 0:
+            raise ValueError(f"trainer.checkpoint_every must be >= 0 (0: never), got {self.trainer.checkpoint_every}")
+        if self.weight_sync.transport not in ("message", "file"):
+            raise ValueError(f"weight_sync.transport must be 'message' or 'file', got {self.weight_sync.transport!r}")
+        if "jsonl" not in self.logging.sinks:
+            raise ValueError(
+                "logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source"
+            )
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where the run's checkpoints go: ``<logging.output_dir>/checkpoints``."""
+        return str(Path(self.logging.output_dir) / "checkpoints")

@@ -4,29 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apps.common.config import EvalSamplingSection, RecordsSection
-from apps.grpo.config import LoggingSection, ModelSection, PolicySection
-from forge.controller.jobs import HostsConfig
+from apps.common.config import EvalSamplingSection, LoggingSection, RecordsSection, RunSections
 
 
 @dataclass(kw_only=True)
-class EvalAppConfig:
-    """Evaluate one checkpoint (``model.path``) on held-out records, as GRPO and SFT runs do."""
+class EvalAppConfig(RunSections):
+    """Evaluate one checkpoint (``model.path``) on held-out records, as GRPO and SFT runs do (the
+    sections of every app's run, ``RunSections``: ``policy`` is the vLLM engine and its placement,
+    whose ``temperature`` and ``max_tokens`` are the defaults of ``eval.temperature`` and
+    ``eval.max_tokens``; ``logging.output_dir`` receives ``eval.json``)."""
 
-    seed: int = 0
-    """Seed of the policy's sampler."""
-    model: ModelSection = field(default_factory=ModelSection)
     data: RecordsSection = field(default_factory=RecordsSection)
     """How prompts are formatted (template, chat template) and, when ``eval.data.path`` is empty,
     which files hold the held-out records."""
     eval: EvalSamplingSection = field(default_factory=lambda: EvalSamplingSection(reward={"exact_match": 1.0}))
     """The held-out split, how many prompts, samples per prompt, and the reward that judges them."""
-    policy: PolicySection = field(default_factory=PolicySection)
-    """The vLLM engine and its placement; ``temperature`` and ``max_tokens`` are the defaults of
-    ``eval.temperature`` and ``eval.max_tokens``."""
-    hosts: HostsConfig = field(default_factory=HostsConfig)
     logging: LoggingSection = field(default_factory=lambda: LoggingSection(output_dir="outputs/eval"))
-    """``output_dir`` receives ``eval.json``."""
 
     def __post_init__(self) -> None:
         self.eval.check()

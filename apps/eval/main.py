@@ -70,14 +70,9 @@ async def run(cfg: EvalAppConfig, terminal: Any, resume_from: Path | None = None
 def main(argv: list[str] | None = None) -> int:
     """Entry point: returns the process exit code (``apps.common.cli``)."""
 
-    def schema() -> type:
-        from apps.eval.config import EvalAppConfig
-
-        return EvalAppConfig
-
     return cli.main(
         "eval",
-        schema,
+        "apps.eval.config:EvalAppConfig",
         run,
         argv,
         description="Evaluate a checkpoint on held-out records.",

@@ -16,73 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING
-
-from apps.common.config import EvalSamplingSection, RecordsSection, WandbSection
+from apps.common.config import EvalSamplingSection, Placement, RecordsSection, TrainingSections
 from forge.actors.dataset import DATASET_SOURCES
-from forge.actors.policy import PolicySettings
 from forge.actors.trainer import TrainerSettings
-from forge.controller.jobs import HostsConfig
-
-
-@dataclass(kw_only=True)
-class TinyModel:
-    """The tiny random-init model made at ``model.path`` (CPU demos and tests)."""
-
-    make_if_missing: bool = False
-    """Make the tiny model at ``model.path`` when no model is there."""
-    arch: str = "qwen2"
-    """``qwen2`` or ``qwen3``."""
-    hidden_size: int = 128
-    """Model width, a multiple of 64."""
-    num_layers: int = 2
-    """Decoder layers."""
-    seed: int = 0
-    """Seed of the random init."""
-    init_std: float = 0.02
-    """Std of the normal weight init."""
-
-
-@dataclass(kw_only=True)
-class ModelSection:
-    path: str = MISSING
-    """Hugging Face checkpoint folder shared by policy, reference and trainer (required)."""
-    tiny: TinyModel = field(default_factory=TinyModel)
-    """The tiny model to make at ``path`` if ``tiny.make_if_missing`` and none is there."""
-    tokenizer: str = ""
-    """A folder whose tokenizer the run expects (e.g. the base model an SFT checkpoint came
-    from): ``path``'s own must be the same one, or the run stops at start-up naming both.
-    Empty: no check beyond ``path``'s tokenizer fitting its embeddings."""
-
-
-@dataclass(kw_only=True)
-class Placement:
-    """Where a role runs (see ``forge.controller.ActorOptions``)."""
-
-    procs: int = 1
-    """Processes per replica (on each of its hosts)."""
-    num_replicas: int = 1
-    """Replicas (services only)."""
-    hosts: int = 1
-    """Hosts per replica, from the ``hosts`` section's pool: the replica's ``procs`` processes
-    run on each of them, as one SPMD mesh of ``hosts x procs`` ranks."""
-    with_gpus: bool = False
-    """Give each process ``gpus_per_proc`` GPUs of its own, from the visible ones that no
-    role's ``gpus`` lists."""
-    gpus: list[str] | None = None
-    """Exactly these device ids for the role (implies ``with_gpus``), split over its replicas
-    and processes. Roles may list the same ids to share GPUs, e.g. ``["0"]`` for all on one GPU."""
-    gpus_per_proc: int = 1
-    """GPUs each process sees; a vLLM policy with ``engine_kwargs.tensor_parallel_size: k``
-    needs ``k``."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables for the role's processes."""
-
-
-@dataclass(kw_only=True)
-class PolicySection(Placement, PolicySettings):
-    """The policy's settings (``forge.actors.policy.PolicySettings``) and placement. Keep
-    ``top_p`` at 1.0: the trainer's logprobs apply no nucleus mask."""
 
 
 @dataclass(kw_only=True)
@@ -186,26 +122,6 @@ class RolloutSection:
 
 
 @dataclass(kw_only=True)
-class WeightSyncSection:
-    transport: str = "message"
-    """``message``: tensors in a Monarch message via the controller; ``file``: the trainer copies
-    them into one of three safetensors files it keeps under ``dir`` (same host only) and the policy
-    maps that file (``forge.generation.weight_files``)."""
-    dir: str | None = None
-    """Folder the ``file`` transport's runs write in (the root); None: ``$XDG_RUNTIME_DIR/forge``
-    when that is set, else ``/dev/shm/forge-<uid>``. It must be yours, not a symlink, and not
-    writable by other users (made 0700 if missing); each run writes in a ``run-*`` folder of its
-    own inside, which its policy alone loads from and which is removed when the run ends
-    (``forge.generation.weight_folder``)."""
-
-    def root(self) -> Path:
-        """The folder ``dir`` names, or the default one (not checked or created here)."""
-        from forge.generation.weight_folder import weight_root
-
-        return weight_root(self.dir)
-
-
-@dataclass(kw_only=True)
 class FaultsSection:
     """How the rollout side (the policy, reference and reward services) outlives its processes.
 
@@ -257,23 +173,9 @@ class EnvSection(Placement):
 
 
 @dataclass(kw_only=True)
-class LoggingSection:
-    output_dir: str = "outputs/grpo"
-    """Where ``metrics.jsonl``, the plot and TensorBoard events go."""
-    sinks: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
-    """Metric sinks: ``jsonl`` (``metrics.jsonl``), ``tensorboard`` (if installed), ``console``
-    (one log line per step)."""
-    plot: bool = True
-    """Write ``<output_dir>/reward_loss.png`` at the end."""
-    progress_bar: bool = True
-    """Show a progress bar with reward, loss and step time."""
-    wandb: WandbSection = field(default_factory=WandbSection)
-    """The ``wandb`` sink's project, run name and mode."""
-
-
-@dataclass(kw_only=True)
-class GRPOConfig:
-    """The whole app: GRPO settings, then one section per role."""
+class GRPOConfig(TrainingSections):
+    """The whole app: GRPO settings, then one section per role (and those of every app's run,
+    ``RunSections``: ``seed``, ``model``, ``policy``, ``hosts``, ``logging``, and ``weight_sync``)."""
 
     steps: int = 150
     """Training steps (optimizer updates)."""
@@ -283,27 +185,19 @@ class GRPOConfig:
     """Groups (prompts) in one training batch."""
     max_policy_age: int = 1
     """Off-by-n: a group sampled by policy version g trains at version v only if v - g <= this."""
-    seed: int = 0
-    """Seed of data order, sampling and the trainer."""
-    model: ModelSection = field(default_factory=ModelSection)
-    policy: PolicySection = field(default_factory=PolicySection)
     reference: ReferenceSection = field(default_factory=ReferenceSection)
     reward: RewardSection = field(default_factory=RewardSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     data: DataSection = field(default_factory=DataSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
     faults: FaultsSection = field(default_factory=FaultsSection)
-    hosts: HostsConfig = field(default_factory=HostsConfig)
-    """Machines beyond the controller's (a Slurm or Kubernetes job, running workers); with one,
-    the policy, reference, reward and trainer processes all run on its hosts."""
     env: EnvSection = field(default_factory=EnvSection)
     """The environment of multi-turn rollouts; none (single-turn) unless ``env.cls`` is set."""
     eval: EvalSection = field(default_factory=EvalSection)
     """Held-out evaluation beside training; off unless ``eval.every`` is set."""
-    logging: LoggingSection = field(default_factory=LoggingSection)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("steps", "group_size", "prompts_per_step"):
             value = getattr(self, name)
             if value < 1:
@@ -318,10 +212,6 @@ class GRPOConfig:
                 "share of the step's episodes"
             )
         self._check_min_hosts(episodes)
-        if self.trainer.checkpoint_every < 0:
-            raise ValueError(
-                f"trainer.checkpoint_every must be >= 0 (0 disables checkpoints), got {self.trainer.checkpoint_every}"
-            )
         if self.trainer.export_every < 0:
             raise ValueError(f"trainer.export_every must be >= 0 (0: never), got {self.trainer.export_every}")
         if self.trainer.keep_checkpoints < 1:
@@ -336,13 +226,7 @@ class GRPOConfig:
             )
         if not self.policy.temperature > 0:
             raise ValueError(f"policy.temperature must be > 0 for RL sampling, got {self.policy.temperature}")
-        if self.weight_sync.transport not in ("message", "file"):
-            raise ValueError(f"weight_sync.transport must be 'message' or 'file', got {self.weight_sync.transport!r}")
         self._check_data()
-        if "jsonl" not in self.logging.sinks:
-            raise ValueError(
-                "logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source"
-            )
         self._check_env()
         self._check_lora()
         if not self.reward.fns:
@@ -505,11 +389,6 @@ class GRPOConfig:
 
         check_weight_sync_space(self.weight_sync, self.trainer, model_dir)
         check_checkpoint_space(self.trainer, self.checkpoint_dir, model_dir)
-
-    @property
-    def checkpoint_dir(self) -> str:
-        """Where the run's checkpoints go: ``<logging.output_dir>/checkpoints``."""
-        return str(Path(self.logging.output_dir) / "checkpoints")
 
     def _check_rollout_workers(self) -> None:
         workers = self.rollout.workers

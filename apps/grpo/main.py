@@ -134,14 +134,9 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
 def main(argv: list[str] | None = None) -> int:
     """Entry point: returns the process exit code (``apps.common.cli``)."""
 
-    def schema() -> type:
-        from apps.grpo.config import GRPOConfig
-
-        return GRPOConfig
-
     return cli.main(
         "grpo",
-        schema,
+        "apps.grpo.config:GRPOConfig",
         run,
         argv,
         description="GRPO training on Monarch actors (see the module docstring).",

@@ -124,14 +124,9 @@ def report(cfg: MultiLoraConfig, results: list[RunResult], models: dict[str, Any
 def main(argv: list[str] | None = None) -> int:
     """Entry point: returns the process exit code (``apps.common.cli``)."""
 
-    def schema() -> type:
-        from apps.multi_lora.config import MultiLoraConfig
-
-        return MultiLoraConfig
-
     return cli.main(
         "multi_lora",
-        schema,
+        "apps.multi_lora.config:MultiLoraConfig",
         run,
         argv,
         description="K LoRA GRPO runs sharing one policy service (see the module docstring).",

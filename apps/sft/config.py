@@ -8,12 +8,9 @@ only (SFT has no GRPO loss knobs), and ``eval`` adds the held-out loss and early
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from apps.common.config import EvalSamplingSection, RecordsSection
-from apps.grpo.config import LoggingSection, ModelSection, Placement, PolicySection, WeightSyncSection
+from apps.common.config import EvalSamplingSection, LoggingSection, Placement, RecordsSection, TrainingSections
 from forge.actors.trainer import OptimizerSettings
-from forge.controller.jobs import HostsConfig
 
 
 @dataclass(kw_only=True)
@@ -53,29 +50,23 @@ class SFTEvalSection(EvalSamplingSection):
 
 
 @dataclass(kw_only=True)
-class SFTConfig:
-    """The whole SFT app: steps and batch, then one section per part."""
+class SFTConfig(TrainingSections):
+    """The whole SFT app: steps and batch, then one section per part (and those of every app's
+    run, ``RunSections``; ``policy`` is the vLLM engine that samples the held-out prompts, with
+    ``eval.generate``)."""
 
     steps: int = 1000
     """Optimizer steps."""
     batch_size: int = 64
     """Examples per optimizer step."""
-    seed: int = 0
-    """Seed of the data order and the trainer."""
-    model: ModelSection = field(default_factory=ModelSection)
     data: RecordsSection = field(default_factory=RecordsSection)
     """The training records (``question_key`` the prompt, ``answer_key`` the target)."""
     eval: SFTEvalSection = field(default_factory=SFTEvalSection)
     trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
-    policy: PolicySection = field(default_factory=PolicySection)
-    """The vLLM engine that samples the held-out prompts (with ``eval.generate``)."""
-    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
-    """How the trainer's weights reach that policy."""
-    hosts: HostsConfig = field(default_factory=HostsConfig)
-    """Machines beyond the controller's; with one, the trainer and policy processes run there."""
     logging: LoggingSection = field(default_factory=lambda: LoggingSection(output_dir="outputs/sft"))
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("steps", "batch_size"):
             value = getattr(self, name)
             if value < 1:
@@ -102,16 +93,3 @@ class SFTConfig:
             self.eval.check()
             if not self.eval.reward:
                 raise ValueError("eval.reward needs at least one reward function to judge completions")
-        if self.trainer.checkpoint_every < 0:
-            raise ValueError(f"trainer.checkpoint_every must be >= 0 (0: never), got {self.trainer.checkpoint_every}")
-        if self.weight_sync.transport not in ("message", "file"):
-            raise ValueError(f"weight_sync.transport must be 'message' or 'file', got {self.weight_sync.transport!r}")
-        if "jsonl" not in self.logging.sinks:
-            raise ValueError(
-                "logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source"
-            )
-
-    @property
-    def checkpoint_dir(self) -> str:
-        """Where the run's checkpoints go: ``<logging.output_dir>/checkpoints``."""
-        return str(Path(self.logging.output_dir) / "checkpoints")

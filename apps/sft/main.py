@@ -282,13 +282,13 @@ def summary(cfg: SFTConfig, log: StepLog, elapsed_s: float, startup_s: float, st
 def main(argv: list[str] | None = None) -> int:
     """Entry point: returns the process exit code (``apps.common.cli``)."""
 
-    def schema() -> type:
-        from apps.sft.config import SFTConfig
-
-        return SFTConfig
-
     return cli.main(
-        "sft", schema, run, argv, description="Supervised fine-tuning on Monarch actors.", failures=(RoleFailed,)
+        "sft",
+        "apps.sft.config:SFTConfig",
+        run,
+        argv,
+        description="Supervised fine-tuning on Monarch actors.",
+        failures=(RoleFailed,),
     )
 
 
