@@ -59,8 +59,9 @@ from forge.controller import quiet_monarch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from apps.common.launch import Roles, RunResources, open_run, stop_roles  # noqa: E402
 from apps.common.weights import PolicyWeights  # noqa: E402
-from apps.grpo.roles import Roles, prepare_model, start_roles, stop_roles  # noqa: E402
+from apps.grpo.roles import prepare_model, start_roles  # noqa: E402
 from forge.distributed import call_spmd  # noqa: E402
 
 PHASES = ("generation", "reward", "reference", "training", "weight_sync")
@@ -78,7 +79,7 @@ def _tokens(groups: list[Any]) -> int:
     return sum(int(c.token_ids.numel()) for g in groups for c in g.completions)
 
 
-async def measure_steps(cfg: Any, roles: Roles, steps: int) -> dict[str, Any]:
+async def measure_steps(cfg: Any, roles: Roles, weights: PolicyWeights, steps: int) -> dict[str, Any]:
     """``steps`` synchronous GRPO steps, each phase timed on its own."""
     import torch
 
@@ -110,7 +111,7 @@ async def measure_steps(cfg: Any, roles: Roles, steps: int) -> dict[str, Any]:
         t3 = time.perf_counter()
         await call_spmd(roles.trainer.train_step, EpisodeBatch.pack(episodes))
         t4 = time.perf_counter()
-        await roles.weights.sync()
+        await weights.sync()
         t5 = time.perf_counter()
         times.update(reward=t1 - t0, reference=t2 - t1, training=t4 - t3, weight_sync=t5 - t4)
         if step > 0:
@@ -135,7 +136,11 @@ async def _policy_update_s(roles: Roles) -> float:
 
 
 async def measure_weight_sync(
-    cfg: Any, roles: Roles, repeats: int, bare_reload: Callable[[], Awaitable[float]] | None = None
+    cfg: Any,
+    roles: Roles,
+    resources: RunResources,
+    repeats: int,
+    bare_reload: Callable[[], Awaitable[float]] | None = None,
 ) -> dict[str, Any]:
     """bytes/s of ``PolicyWeights.sync`` (each transport), of an in-process copy and, with
     ``bare_reload`` (seconds of one in-place vLLM reload of the same weights in a bare engine's
@@ -170,7 +175,7 @@ async def measure_weight_sync(
         await bare_reload()  # warm-up
     for transport in ("message", "file"):
         cfg.weight_sync.transport = transport
-        weights = PolicyWeights(roles.trainer, roles.policy, transport, roles.weights_dir, 60.0)
+        weights = PolicyWeights(roles.trainer, roles.policy, transport, resources.weights_dir, 60.0)
         await weights.sync()  # warm-up
         await _policy_update_s(roles)
         times, loads = [], []
@@ -248,9 +253,14 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
     # Both transports are measured: the roles start as the file transport's (with the run's
     # weight folder, which its policy alone loads from), then run the configured one.
     configured, cfg.weight_sync.transport = cfg.weight_sync.transport, "file"
-    roles = await start_roles(cfg, model_path)
+    resources = await open_run(cfg, cfg.weight_sync)
+    try:
+        roles = await start_roles(cfg, model_path, resources)
+    except BaseException:
+        resources.close()
+        raise
     cfg.weight_sync.transport = configured
-    roles.weights = PolicyWeights(roles.trainer, roles.policy, configured, roles.weights_dir, 60.0)
+    resources.weights = PolicyWeights(roles.trainer, roles.policy, configured, resources.weights_dir, 60.0)
     p = cfg.policy
     bare = None
     try:
@@ -300,7 +310,7 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
         result["rollout_tokens_per_s"] = statistics.median(service_rates)
         result["bare_vllm_tokens_per_s"] = statistics.median(bare_rates)
         result["rollout_vs_bare_vllm_tokens_per_s"] = result["rollout_tokens_per_s"] / result["bare_vllm_tokens_per_s"]
-        result.update(await measure_steps(cfg, roles, steps))
+        result.update(await measure_steps(cfg, roles, resources.weights, steps))
         # The bare engine gets the trainer's weights once, as tensors in its own process.
         conn.send(("weights", (await call_spmd(roles.trainer.weights))[0]))
         await loop.run_in_executor(None, conn.recv)
@@ -309,13 +319,14 @@ async def run(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
             conn.send("reload")
             return await loop.run_in_executor(None, conn.recv)
 
-        result.update(await measure_weight_sync(cfg, roles, repeats=max(steps, 5), bare_reload=bare_reload))
+        result.update(await measure_weight_sync(cfg, roles, resources, repeats=max(steps, 5), bare_reload=bare_reload))
         conn.send("stop")
         bare.join(timeout=30)
     finally:
         if bare is not None and bare.is_alive():
             bare.kill()
         await stop_roles(roles)
+        resources.close()
     return result
 
 
@@ -326,8 +337,9 @@ async def measure_adapter_sync(cfg: Any, repeats: int, rank: int) -> dict[str, A
     what the sync moves: the state dict, or the adapter's tensors."""
     import copy
 
+    from apps.common.launch import policy_config
     from apps.common.roles import POLICY_ENV, QUIET_ENV
-    from apps.grpo.roles import policy_config, trainer_config
+    from apps.grpo.roles import trainer_config
     from forge.actors import Policy, Trainer
     from forge.controller import ForgeActor
     from forge.generation.weight_folder import RunFolder

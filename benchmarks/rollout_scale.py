@@ -49,9 +49,9 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))  # this checkout's forge and apps, whatever the venv installed
 
 import forge.controller  # noqa: E402,F401  (before monarch)
+from apps.common.launch import Roles  # noqa: E402
 from apps.common.roles import QUIET_ENV  # noqa: E402
 from apps.grpo.groups import GroupSettings, SingleTurnGroups  # noqa: E402
-from apps.grpo.roles import Roles  # noqa: E402
 from apps.grpo.rollout_workers import start_rollout_workers, stop_rollout_workers  # noqa: E402
 from apps.grpo.rollouts import Rollouts  # noqa: E402
 from forge.actors import (  # noqa: E402

@@ -165,8 +165,8 @@ class Evaluator:
     """Greedy accuracy of any checkpoint on the same held-out prompts, scored as forge scores."""
 
     def __init__(self, prompts: int) -> None:
+        from apps.common.inputs import records_source
         from apps.grpo.config import GRPOConfig
-        from apps.grpo.roles import records_source
         from forge.config import load_config
         from forge.data import load_prompts
 

@@ -204,7 +204,7 @@ def trl_dataset(cfg: Any) -> Any:
     """The first ``steps * prompts_per_step`` prompts of the config's task, in order."""
     from datasets import Dataset
 
-    from apps.grpo.roles import records_source
+    from apps.common.inputs import records_source
     from forge.actors.dataset import DatasetConfig, prompt_stream
 
     stream = prompt_stream(

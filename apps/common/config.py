@@ -5,6 +5,7 @@ app's root config."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,3 +219,8 @@ class TrainingSections(RunSections):
     def checkpoint_dir(self) -> str:
         """Where the run's checkpoints go: ``<logging.output_dir>/checkpoints``."""
         return str(Path(self.logging.output_dir) / "checkpoints")
+
+
+def settings(section: object, settings_cls: type) -> dict[str, Any]:
+    """The fields of ``settings_cls`` (e.g. ``TrainerSettings``) as a config section holds them."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(settings_cls)}

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import forge.controller  # noqa: F401  (before anything imports monarch)
 from apps.common import cli
 from apps.common.evaluation import EvalPlan
+from apps.common.inputs import make_model, prepare_data
+from apps.common.launch import RoleSpec, assign_gpus, open_run, policy_config, start_role
 from apps.common.roles import POLICY_ENV, RoleFailed
-from apps.grpo.roles import RoleSpec, assign_gpus, make_model, policy_config, prepare_data, start_role
 
 if TYPE_CHECKING:
     from apps.eval.config import EvalAppConfig
@@ -41,24 +42,19 @@ async def run(cfg: EvalAppConfig, terminal: Any, resume_from: Path | None = None
     plan = EvalPlan.from_config(  # the records are loaded and checked before the engine starts
         cfg.eval, cfg.data, model_path, temperature=p.temperature, max_tokens=p.max_tokens, reward_fns={}
     )
-    host_pool = None
-    if cfg.hosts.job != "none":
-        from forge.controller.jobs import JOB_LOGS, open_host_pool
-
-        host_pool = await open_host_pool(cfg.hosts, Path(cfg.logging.output_dir) / JOB_LOGS)
+    resources = await open_run(cfg)  # the hosts' pool only: the policy loads no trainer weights
     spec = RoleSpec("policy", Policy, policy_config(cfg, model_path, group_size=1), POLICY_ENV)
     policy = None
     try:
         try:
-            policy = await start_role(spec, cfg, assign_gpus(cfg, roles=("policy",)), host_pool)
+            policy = await start_role(spec, cfg, assign_gpus(cfg, roles=("policy",)), resources.host_pool)
         except Exception as exc:
             raise RoleFailed("policy", exc) from exc
         metrics = await plan.run(policy, 0)
     finally:
         if policy is not None:
             await policy.shutdown()
-        if host_pool is not None:
-            host_pool.close()
+        resources.close()
     metrics.pop("eval/step", None)
     result = {"model": model_path, **metrics, "wall_s": time.perf_counter() - t_start}
     out = Path(cfg.logging.output_dir)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from apps.grpo.roles import RoleFailed
+from apps.common.roles import RoleFailed
 from forge.checkpoint import latest_checkpoint
 from forge.controller import ReplicaFailed, ReplicaState
 

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from apps.common.launch import Roles
+from apps.common.roles import RoleFailed, call_role
 from apps.grpo.multiturn import MultiTurnGroups
-from apps.grpo.roles import RoleFailed, Roles, call_role
 from forge.actors import prompt_key
 from forge.actors.reference_model import ResponseGroup
 from forge.losses import group_advantages

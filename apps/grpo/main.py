@@ -66,10 +66,12 @@ from typing import TYPE_CHECKING, Any
 
 import forge.controller  # noqa: F401  (before anything imports monarch)
 from apps.common import cli
+from apps.common.launch import Roles, RunResources, job_gone, open_run, stop_roles
+from apps.common.roles import RoleFailed
 from apps.common.weights import PolicyWeights
 from apps.grpo.faults import RoleWatch, resume_hint
 from apps.grpo.groups import GroupSettings
-from apps.grpo.roles import RoleFailed, Roles, fault_options, job_gone, prepare_model, start_roles, stop_roles
+from apps.grpo.roles import fault_options, prepare_model, start_roles
 from apps.grpo.rollout_workers import ViewPublisher, start_rollout_workers, stop_rollout_workers
 from apps.grpo.run_loop import TrainingRun, eval_plan
 
@@ -90,35 +92,36 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
     plan = eval_plan(cfg, model_path)  # the held-out prompts are loaded and checked before any role starts
     watch = RoleWatch(cfg)
     add_fault_listener(watch)
-    roles = Roles()
+    roles, resources = Roles(), RunResources()
     views: ViewPublisher | None = None
     try:
-        roles = await start_roles(cfg, model_path)
-        w = cfg.weight_sync
-        roles.weights = PolicyWeights(
+        resources = await open_run(cfg, cfg.weight_sync)
+        roles = await start_roles(cfg, model_path, resources)
+        resources.weights = PolicyWeights(
             roles.trainer,
             roles.policy,
-            w.transport,
-            roles.weights_dir,
+            cfg.weight_sync.transport,
+            resources.weights_dir,
             cfg.faults.max_unhealthy_s,
             fetch_timeout_s=cfg.faults.health_timeout_s,
         )
         # A restarted policy replica loads the weights the others serve before it takes traffic.
-        roles.policy.set_resync(roles.weights.resync)
+        roles.policy.set_resync(resources.weights.resync)
         if cfg.rollout.workers:  # the groups are made in worker processes (rollout_workers.py)
             workers, settings = cfg.rollout.workers, GroupSettings.from_config(cfg)
             roles.rollout, views = await start_rollout_workers(roles, workers, settings, **fault_options(cfg))
         watches = []
-        if roles.host_pool is not None and roles.host_pool.job is not None:  # a job that ends stops the run
-            watches.append(asyncio.create_task(roles.host_pool.watch_job(), name="job-watch"))
+        pool = resources.host_pool
+        if pool is not None and pool.job is not None:  # a job that ends stops the run
+            watches.append(asyncio.create_task(pool.watch_job(), name="job-watch"))
         training = TrainingRun(
-            cfg, model_path, roles, watch, terminal, started=t_start, resume_from=resume_from, plan=plan
+            cfg, model_path, roles, resources, watch, terminal, started=t_start, resume_from=resume_from, plan=plan
         )
         await training.run(watches)
         return training.summary()
     except Exception as exc:
         root = watch.error if watch.error is not None else exc  # a role gone for good is the root cause
-        gone = await job_gone(roles)
+        gone = await job_gone(resources)
         root = gone if gone is not None else root  # ...unless the hosts' job stopped under it
         if isinstance(root, RoleFailed) and root.role == "trainer" and "the run stopped:" not in root.detail:
             raise RoleFailed("trainer", f"{root.detail}; the run stopped: {resume_hint(cfg)}") from exc
@@ -129,6 +132,7 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         await stop_rollout_workers(roles, views)
         watch.stopping = True  # stays installed: late reports of stopped processes are silenced
         await stop_roles(roles)
+        resources.close()  # after the roles: their processes run on its hosts
 
 
 def main(argv: list[str] | None = None) -> int:

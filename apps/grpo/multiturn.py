@@ -37,7 +37,8 @@ import time
 
 import torch
 
-from apps.grpo.roles import RoleFailed, Roles, call_role
+from apps.common.launch import Roles
+from apps.common.roles import RoleFailed, call_role
 from forge.controller import ReplicaFailed
 from forge.envs import Action, EnvError, ResetRequest, SessionKey, StepRequest, Trajectory, UnknownSession
 from forge.losses import group_advantages

@@ -28,10 +28,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from apps.common.roles import QUIET_ENV, ROLE_ENV
+from apps.common.launch import Roles
+from apps.common.roles import QUIET_ENV, ROLE_ENV, RoleFailed
 from apps.grpo.group_orders import GroupOrder, MadeGroup, MadeGroups
 from apps.grpo.groups import GroupMaker, GroupSettings, group_maker, make_with_retries
-from apps.grpo.roles import RoleFailed, Roles
 from forge.controller import Batching, ForgeActor, ServiceInterface, ServiceView, endpoint
 from forge.controller.attach import attach, attached_service, service_view
 

@@ -14,9 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from apps.common.launch import Roles
+from apps.common.roles import RoleFailed, call_role
 from apps.grpo.group_orders import GroupOrder
 from apps.grpo.groups import GroupMaker, GroupSettings, group_maker, make_with_retries
-from apps.grpo.roles import RoleFailed, Roles, call_role
 from forge.checks import check_int
 from forge.controller import Batcher, Batching
 from forge.losses import rewards_uniform as uniform

@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from apps.common.launch import Roles
+from apps.common.roles import RoleFailed, call_role
 from apps.common.step_log import StepLog
-from apps.grpo.roles import RoleFailed, Roles, call_role
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig

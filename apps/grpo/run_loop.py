@@ -4,7 +4,8 @@ outlive a dead trainer.
 The GRPO app runs it once (``main.py``); a multi-adapter job runs it once per run, on the shared
 policy (``apps.multi_lora.run``), so that every run of either gets checkpoints and ``--resume``,
 trainer restarts, held-out evaluation and multi-turn rollouts from the same code. The caller owns
-the roles (it starts and stops them) and the run's ``RoleWatch``; everything made here (the
+the roles (it starts and stops them), the run's ``RunResources`` (its weight sync set) and its
+``RoleWatch``; everything made here (the
 evaluations, the rollouts, the step log, the background tasks) is closed here.
 """
 
@@ -16,8 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apps.common.evaluation import EvalPlan, EvalRuns
+from apps.common.launch import Roles, RunResources, job_gone
+from apps.common.roles import RoleFailed
 from apps.grpo.faults import RoleWatch
-from apps.grpo.roles import RoleFailed, Roles, job_gone
 from apps.grpo.rollouts import Rollouts
 from apps.grpo.run_log import RunLog
 from apps.grpo.trainer_restart import TrainerRestarts, trainer_died
@@ -53,6 +55,7 @@ class TrainingRun:
         cfg: GRPOConfig,
         model_path: str,
         roles: Roles,
+        resources: RunResources,
         watch: RoleWatch,
         terminal: Any,
         *,
@@ -63,6 +66,7 @@ class TrainingRun:
         self.cfg = cfg
         self.model_path = model_path
         self.roles = roles
+        self.resources = resources
         self.watch = watch
         self.terminal = terminal
         self.started = started
@@ -85,13 +89,16 @@ class TrainingRun:
         tasks (a job's watch), cancelled here with the others; the first to fail fails the run.
         Raises the run's error (``watch.error`` first: a role gone for good is the root cause)."""
         cfg, roles, watch = self.cfg, self.roles, self.watch
+        weights = self.resources.weights
+        if weights is None:
+            raise ValueError("TrainingRun needs the run's weight sync: set resources.weights before run()")
         evals: EvalRuns | None = None
         rollouts: Rollouts | None = None
         tasks = list(watches or [])
         try:
             await watch.watch_actor("trainer", roles.trainer)
             resume_from = self.resume_from
-            step, version = (0, 0) if resume_from is None else await resume(cfg, roles, resume_from)
+            step, version = (0, 0) if resume_from is None else await resume(cfg, roles, weights, resume_from)
             if self.plan is not None:  # the first evaluation: the weights training starts from
                 evals = EvalRuns(self.plan, roles.policy, cfg.eval.every)
                 await evals.now(step)
@@ -99,16 +106,16 @@ class TrainingRun:
             resume_after = None if resume_from is None else step
             self.log = RunLog(cfg, self.terminal, resume_after=resume_after, started=self.started)
             rollouts = Rollouts.from_config(cfg, roles)  # its groups: groups.py (single-turn) or multiturn.py
-            restarts = TrainerRestarts(cfg, self.model_path, roles, watch)
+            restarts = TrainerRestarts(cfg, self.model_path, roles, self.resources, watch)
             tasks += [asyncio.create_task(watch.watch_services(roles.services()), name="service-watch")]
             tasks += rollouts.start()
             while True:  # once, plus once more after each dead trainer is replaced (trainer_restart.py)
-                loop = train(cfg, roles, rollouts, self.log, step, version, evals)
+                loop = train(cfg, roles, weights, rollouts, self.log, step, version, evals)
                 training = asyncio.create_task(loop, name="train")
                 watcher = asyncio.create_task(watch.failed.wait(), name="failure-watch")
                 tasks += [training, watcher]
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                gone = await job_gone(roles)  # a dead job's roles die too: the job is the cause, not them
+                gone = await job_gone(self.resources)  # a dead job's roles die too: the job is the cause, not them
                 if gone is not None:
                     raise gone
                 died = trainer_death(watch, training)

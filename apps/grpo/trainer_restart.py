@@ -39,9 +39,10 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from apps.common.roles import RUN_ENV
+from apps.common.launch import Roles, RunResources, assign_gpus, start_role
+from apps.common.roles import RUN_ENV, RoleFailed, call_role
 from apps.grpo.faults import RoleWatch, resume_hint, role_processes
-from apps.grpo.roles import RoleFailed, Roles, assign_gpus, call_role, role_specs, start_role
+from apps.grpo.roles import role_specs
 from forge.checkpoint import latest_checkpoint
 from forge.controller import ForgeActor, ReplicaFailed, RequestTimeout
 from forge.controller.errors import describe
@@ -50,6 +51,7 @@ from forge.distributed import call_spmd
 from forge.observability import record_metric
 
 if TYPE_CHECKING:
+    from apps.common.weights import PolicyWeights
     from apps.grpo.config import GRPOConfig
 
 logger = logging.getLogger("forge.grpo")
@@ -77,16 +79,27 @@ def trainer_died(failure: BaseException) -> bool:
 class TrainerRestarts:
     """Replaces a dead trainer from the newest checkpoint, up to ``faults.trainer_max_restarts`` times."""
 
-    def __init__(self, cfg: GRPOConfig, model_path: str, roles: Roles, watch: RoleWatch) -> None:
+    def __init__(
+        self, cfg: GRPOConfig, model_path: str, roles: Roles, resources: RunResources, watch: RoleWatch
+    ) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.roles = roles
+        self.resources = resources
+        """The run's hosts (a new trainer starts on them), weight folder and weight sync."""
         self.watch = watch
         self.limit = cfg.faults.trainer_restarts(cfg.trainer.checkpoint_every)
         self.deaths: list[str] = []
         """What each death of the trainer was, in order (the final message names them all)."""
         self.restarts = 0
         """New trainer meshes started (``restarts/trainer``); a death while restoring counts too."""
+
+    @property
+    def weights(self) -> PolicyWeights:
+        """The run's weight sync, which the new trainer's weights reach the policy through."""
+        if self.resources.weights is None:
+            raise ValueError("TrainerRestarts needs the run's weight sync: set resources.weights first")
+        return self.resources.weights
 
     def give_up(self) -> RoleFailed:
         """The error that stops the run: every death of the trainer, and how to continue."""
@@ -131,7 +144,7 @@ class TrainerRestarts:
 
     async def _replace(self, checkpoint: str) -> tuple[int, int]:
         """Stop the old mesh, start a new one, load ``checkpoint``, push its weights to the policy."""
-        roles, cfg = self.roles, self.cfg
+        roles, cfg, weights = self.roles, self.cfg, self.weights
         old = roles.trainer
         self.watch.retire("trainer")
         run = cfg.trainer.env.get(RUN_ENV)  # a multi-adapter job's run: its own trainer's processes only
@@ -147,12 +160,12 @@ class TrainerRestarts:
                 logger.info("the dead trainer's mesh did not stop cleanly: %s", exc)
         trainer = await self._start()
         roles.trainer = trainer
-        roles.weights.use_trainer(trainer)
+        weights.use_trainer(trainer)
         await self.watch.watch_actor("trainer", trainer)
         load = call_spmd(trainer.load_checkpoint, checkpoint, timeout_s=cfg.faults.health_timeout_s)
         step, version, _ = await call_role("trainer", load)
-        before = await self._policy_call(roles.weights.served_versions())
-        await roles.weights.sync()
+        before = await self._policy_call(weights.served_versions())
+        await weights.sync()
         await self._report_served(max(before or [0]), version)
         return step, version
 
@@ -180,7 +193,7 @@ class TrainerRestarts:
         fingerprint = call_spmd(roles.trainer.weights_fingerprint, timeout_s=cfg.faults.health_timeout_s)
         for name, value in zip(("sum", "sumsq"), await call_role("trainer", fingerprint)):
             record_metric(f"weight_sync/restore/trainer_{name}", value, "last")
-        samples = await self._policy_call(roles.weights.probes(PROBE_PROMPT))
+        samples = await self._policy_call(self.weights.probes(PROBE_PROMPT))
         if not samples:
             return
         pairs = [(PROBE_PROMPT, tokens) for _, tokens, _ in samples]
@@ -194,7 +207,7 @@ class TrainerRestarts:
 
     def _lost_hosts(self) -> list[str]:
         """The pool's hosts whose worker stopped answering, now marked dead (each named in a warning)."""
-        pool = self.roles.host_pool
+        pool = self.resources.host_pool
         if pool is None:
             return []
         pool.mark_unreachable()
@@ -204,14 +217,14 @@ class TrainerRestarts:
         """A new trainer mesh: of the run's shape, or on fewer hosts when hosts were lost and
         ``trainer.min_hosts`` allows it (the largest count the live hosts hold, whose ranks split
         the step equally)."""
-        cfg, roles = self.cfg, self.roles
-        (spec,) = [s for s in role_specs(cfg, self.model_path, roles.weights_dir) if s.name == "trainer"]
+        cfg = self.cfg
+        (spec,) = [s for s in role_specs(cfg, self.model_path, self.resources.weights_dir) if s.name == "trainer"]
         wanted, fewest = cfg.trainer.hosts, cfg.trainer.min_hosts or cfg.trainer.hosts
         episodes = cfg.prompts_per_step * cfg.group_size
         counts = [h for h in range(wanted, fewest - 1, -1) if episodes % (h * cfg.trainer.procs) == 0]
         for hosts in counts:
             try:
-                trainer = await start_role(spec, cfg, assign_gpus(cfg), roles.host_pool, hosts=hosts)
+                trainer = await start_role(spec, cfg, assign_gpus(cfg), self.resources.host_pool, hosts=hosts)
                 break
             except NotEnoughHosts as exc:
                 if hosts == counts[-1]:

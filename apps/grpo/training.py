@@ -8,12 +8,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from apps.grpo.roles import Roles, call_role
+from apps.common.launch import Roles
+from apps.common.roles import call_role
 from apps.grpo.rollouts import Rollouts
 from forge.distributed import call_spmd  # the trainer is one SPMD mesh: every rank gets each call
 
 if TYPE_CHECKING:
     from apps.common.evaluation import EvalRuns
+    from apps.common.weights import PolicyWeights
     from apps.grpo.config import GRPOConfig
     from apps.grpo.run_log import RunLog
 
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 async def train(
     cfg: GRPOConfig,
     roles: Roles,
+    weights: PolicyWeights,
     rollouts: Rollouts,
     log: RunLog,
     after_step: int = 0,
@@ -53,10 +56,10 @@ async def train(
             stats = await trainer_call(cfg, roles.trainer.train_step, batch)
             t2 = time.perf_counter()
             version = int(stats["policy_version"])
-            weights = await roles.weights.fetch()
+            fetched = await weights.fetch()
             if pushing is not None:
                 await pushing
-            pushing = asyncio.create_task(roles.weights.push(*weights), name=f"push-weights-v{version}")
+            pushing = asyncio.create_task(weights.push(*fetched), name=f"push-weights-v{version}")
             if cfg.max_policy_age == 0:
                 await pushing
             if evals is not None and step == cfg.steps:
@@ -155,7 +158,7 @@ async def save_checkpoint(cfg: GRPOConfig, roles: Roles, step: int) -> None:
     record_metric("checkpoint_s", time.perf_counter() - t0, "sum")
 
 
-async def resume(cfg: GRPOConfig, roles: Roles, path: Path) -> tuple[int, int]:
+async def resume(cfg: GRPOConfig, roles: Roles, weights: PolicyWeights, path: Path) -> tuple[int, int]:
     """Load checkpoint ``path`` into the roles before any rollout; returns (step, policy version).
 
     Restored: the trainer's weights, optimizer state, policy version and RNG states; the
@@ -168,5 +171,5 @@ async def resume(cfg: GRPOConfig, roles: Roles, path: Path) -> tuple[int, int]:
     """
     step, version, extra = await call_role("trainer", call_spmd(roles.trainer.load_checkpoint, str(path)))
     await call_role("dataset", roles.dataset.seek.call_one(int(extra.get("dataset_position", 0))))
-    await roles.weights.sync()
+    await weights.sync()
     return step, version

@@ -48,8 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 import forge.controller  # noqa: F401  (before anything imports monarch)
 from apps.common import cli
+from apps.common.inputs import prepare_data
+from apps.common.launch import RoleSpec, policy_config, start_role
 from apps.common.roles import POLICY_ENV, RoleFailed
-from apps.grpo.roles import RoleSpec, fault_options, policy_config, prepare_data, prepare_model, start_role
+from apps.grpo.roles import fault_options, prepare_model
 from apps.multi_lora.adapters import SharedAdapters
 from apps.multi_lora.run import RunResult, run_one
 

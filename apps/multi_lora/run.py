@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from apps.common.launch import Roles, RunResources, start_all, start_role
+from apps.common.roles import RoleFailed
 from apps.grpo.faults import RoleWatch, resume_hint
-from apps.grpo.roles import RoleFailed, Roles, fault_options, role_specs, start_all, start_local, start_role
+from apps.grpo.roles import fault_options, role_specs, start_local
 from apps.grpo.run_loop import TrainingRun, eval_plan
 from apps.multi_lora.adapters import AdapterView, AdapterWeights, SharedAdapters
 from apps.multi_lora.config import RunConfig
@@ -80,8 +82,11 @@ async def run_one(
         await adapters.add(run.name)
         roles.policy = AdapterView(adapters.policy, run.name, cfg.faults.health_timeout_s)
         await start_run_roles(run, model_path, roles)
-        roles.weights = AdapterWeights(roles.trainer, adapters, run.name, cfg.faults.health_timeout_s)
-        training = TrainingRun(cfg, model_path, roles, watch, terminal, started=t0, resume_from=resume_from, plan=plan)
+        # Its own processes, no hosts' job or weight folder: its adapter reaches the shared policy by message.
+        resources = RunResources(weights=AdapterWeights(roles.trainer, adapters, run.name, cfg.faults.health_timeout_s))
+        training = TrainingRun(
+            cfg, model_path, roles, resources, watch, terminal, started=t0, resume_from=resume_from, plan=plan
+        )
         await training.run()
         result.ok = True
         result.summary = training.summary()

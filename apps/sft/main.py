@@ -38,22 +38,22 @@ from typing import TYPE_CHECKING, Any
 
 import forge.controller  # noqa: F401  (before anything imports monarch)
 from apps.common import cli
+from apps.common.config import settings
 from apps.common.evaluation import EvalPlan, eval_source
-from apps.common.roles import POLICY_ENV, QUIET_ENV, RoleFailed, call_role
-from apps.common.step_log import StepLog
-from apps.common.weights import PolicyWeights
-from apps.grpo.roles import (
+from apps.common.inputs import make_model, prepare_data, records_source
+from apps.common.launch import (
     Roles,
     RoleSpec,
+    RunResources,
     assign_gpus,
-    open_weight_folder,
+    open_run,
     policy_config,
-    prepare_data,
-    records_source,
-    settings,
     start_all,
     start_role,
 )
+from apps.common.roles import POLICY_ENV, QUIET_ENV, RoleFailed, call_role
+from apps.common.step_log import StepLog
+from apps.common.weights import PolicyWeights
 from forge.actors import Policy
 from forge.data.datasets import PromptEpochs, load_prompts
 from forge.distributed import call_spmd
@@ -89,27 +89,22 @@ def role_specs(cfg: SFTConfig, model_path: str, weights_dir: str | None = None) 
     return specs
 
 
-async def start_roles(cfg: SFTConfig, model_path: str) -> Roles:
-    """Start the roles concurrently; if one fails, stop the other and raise naming it."""
+async def start_roles(cfg: SFTConfig, model_path: str, resources: RunResources) -> Roles:
+    """Start the roles concurrently (on ``resources``' hosts) and, with a policy, set the run's
+    weight sync on ``resources``; if one fails, stop the other and raise naming it."""
     roles = Roles()
-    if cfg.eval.generate:
-        await open_weight_folder(cfg, roles)
-    if cfg.hosts.job != "none":
-        from forge.controller.jobs import JOB_LOGS, open_host_pool
-
-        roles.host_pool = await open_host_pool(cfg.hosts, Path(cfg.logging.output_dir) / JOB_LOGS)
     gpus = assign_gpus(cfg, roles=SFT_ROLES)
     await start_all(
         roles,
         {
-            spec.name: start_role(spec, cfg, gpus, roles.host_pool)
-            for spec in role_specs(cfg, model_path, roles.weights_dir)
+            spec.name: start_role(spec, cfg, gpus, resources.host_pool)
+            for spec in role_specs(cfg, model_path, resources.weights_dir)
         },
     )
     if roles.policy is not None:
-        w = cfg.weight_sync
-        roles.weights = PolicyWeights(roles.trainer, roles.policy, w.transport, roles.weights_dir, 300.0)
-        roles.policy.set_resync(roles.weights.resync)  # a restarted replica loads the served weights
+        transport, folder = cfg.weight_sync.transport, resources.weights_dir
+        resources.weights = PolicyWeights(roles.trainer, roles.policy, transport, folder, 300.0)
+        roles.policy.set_resync(resources.weights.resync)  # a restarted replica loads the served weights
     return roles
 
 
@@ -127,17 +122,18 @@ async def run(cfg: SFTConfig, terminal: Any, resume_from: Path | None = None) ->
     records = PromptEpochs(load_prompts(records_source(cfg.data)), cfg.seed)
     held_out = held_out_batch(cfg, fmt)
     plan = eval_plan(cfg, model_path)
-    roles = Roles()
+    roles, resources = Roles(), RunResources()
     log: StepLog | None = None
     try:
-        roles = await start_roles(cfg, model_path)
+        resources = await open_run(cfg, cfg.weight_sync if cfg.eval.generate else None)
+        roles = await start_roles(cfg, model_path, resources)
         step = 0
         if resume_from is not None:
             step, _, extra = await call_role("trainer", call_spmd(roles.trainer.load_checkpoint, str(resume_from)))
             records.seek(int(extra.get("data_position", 0)))
         startup_s = time.perf_counter() - t_start
         log = StepLog(cfg, terminal, cfg.steps, resume_after=None if resume_from is None else step, desc="sft")
-        stopped_at = await train(cfg, roles, records, fmt, held_out, plan, log, step, t_start)
+        stopped_at = await train(cfg, roles, resources.weights, records, fmt, held_out, plan, log, step, t_start)
         if cfg.trainer.export_final_model:
             folder = str(Path(cfg.logging.output_dir) / "final_model")
             await call_role("trainer", call_spmd(roles.trainer.export_model, folder))
@@ -150,11 +146,13 @@ async def run(cfg: SFTConfig, terminal: Any, resume_from: Path | None = None) ->
         if log is not None:
             log.close()
         await roles.stop()
+        resources.close()  # after the roles: their processes run on its hosts
 
 
 async def train(
     cfg: SFTConfig,
     roles: Roles,
+    weights: PolicyWeights | None,
     records: PromptEpochs,
     fmt: PromptFormat,
     held_out: SFTBatch | None,
@@ -165,7 +163,8 @@ async def train(
 ) -> int | None:
     """The step loop after ``after_step``; returns the step at which ``eval.stop_at_accuracy`` was
     reached (the run's last), or None if it ran every step. ``started``: the run's start
-    (``time.perf_counter``), from which each row's ``wall_s`` counts."""
+    (``time.perf_counter``), from which each row's ``wall_s`` counts. ``weights``: the weight sync
+    to the policy that ``plan`` samples (None without one)."""
     for step in range(after_step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         batch = SFTBatch.pack([fmt.sft_example(p.text, p.answer) for p in records.take(cfg.batch_size)])
@@ -181,7 +180,7 @@ async def train(
         }
         last = step == cfg.steps
         if last or (cfg.eval.every and step % cfg.eval.every == 0):
-            row.update(await evaluate(roles, held_out, plan, step))
+            row.update(await evaluate(roles, weights, held_out, plan, step))
         stop = cfg.eval.stop_at_accuracy
         stopped = bool(stop) and row.get("eval/accuracy", -1.0) >= stop
         row["step_time_s"] = time.perf_counter() - t0
@@ -204,14 +203,16 @@ async def train(
     return None
 
 
-async def evaluate(roles: Roles, held_out: SFTBatch | None, plan: EvalPlan | None, step: int) -> dict[str, float]:
+async def evaluate(
+    roles: Roles, weights: PolicyWeights | None, held_out: SFTBatch | None, plan: EvalPlan | None, step: int
+) -> dict[str, float]:
     """The held-out answers' loss and, with a plan, the policy's accuracy on step ``step``'s weights."""
     t0 = time.perf_counter()
     out: dict[str, float] = {EVAL_STEP: float(step)}
     if held_out is not None:
         out["eval/loss"] = (await call_role("trainer", call_spmd(roles.trainer.eval_loss, held_out)))["loss"]
-    if plan is not None and roles.weights is not None:
-        await roles.weights.sync()
+    if plan is not None and weights is not None:
+        await weights.sync()
         out.update(await plan.run(roles.policy, step))
     out["eval/s"] = time.perf_counter() - t0
     return out
@@ -248,7 +249,6 @@ def prepare_model(cfg: SFTConfig) -> str:
     """The checkpoint folder (the tiny model is made there if the config asks for it); with the
     file transport, checks that the weight folder has room for the weights first."""
     from apps.common.space import check_checkpoint_space, check_weight_sync_space
-    from apps.grpo.roles import make_model
 
     path = make_model(cfg.model)
     check_checkpoint_space(cfg.trainer, cfg.checkpoint_dir, path)

@@ -116,8 +116,12 @@ def _accounted(row: dict, steps: int, prompts_per_step: int = 4) -> None:
 
 def test_killed_policy_replica_restarts_resyncs_and_the_run_completes(tmp_path: Path) -> None:
     """SIGKILL of the only policy process at step 2: the run waits for its restart, which loads
-    the current weights before serving, and completes every step (same numbers), exit 0."""
-    proc = _app(tmp_path)
+    the current weights before serving, and completes every step (same numbers), exit 0. Rewards
+    that take a while (``slow_reward``) keep the run from ending before the kill lands: with the
+    toy reward a loaded machine once looked again after step 8 and the restart never happened."""
+    from slow_reward import OVERRIDES as SLOW_REWARD
+
+    proc = _app(tmp_path, *SLOW_REWARD)
     _kill_role_at_step(proc, tmp_path, 2, "policy")
     rows = _every_step(proc, tmp_path)
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))

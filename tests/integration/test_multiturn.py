@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("vllm")
 
+from apps.common.launch import Roles  # noqa: E402
 from apps.grpo.cli import app_command  # noqa: E402
 from apps.grpo.multiturn import MultiTurnGroups  # noqa: E402
-from apps.grpo.roles import Roles  # noqa: E402
 from forge.actors.policy import Policy, PolicyConfig  # noqa: E402
 from forge.actors.reference_model import ReferenceConfig, ReferenceModel  # noqa: E402
 from forge.actors.trainer import Trainer, TrainerConfig  # noqa: E402

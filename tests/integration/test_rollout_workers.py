@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # test_ro
 
 import rollout_scale  # noqa: E402
 
+from apps.common.launch import Roles  # noqa: E402
+from apps.common.roles import RoleFailed  # noqa: E402
 from apps.grpo.groups import GroupSettings  # noqa: E402
-from apps.grpo.roles import RoleFailed, Roles  # noqa: E402
 from apps.grpo.rollout_workers import RolloutWorker, start_rollout_workers, stop_rollout_workers  # noqa: E402
 from apps.grpo.rollouts import Rollouts  # noqa: E402
 from forge.controller import ReplicaState, endpoint  # noqa: E402

@@ -22,6 +22,7 @@ import torch
 from app_runs import REPO, finish_app, start_app
 
 from forge.data import DataSource, PromptFormat, load_prompts
+from forge.generation.weight_folder import RUN_PREFIX
 from forge.types import Prompt
 from tests.numerics import assert_close_to_scale
 
@@ -132,6 +133,9 @@ def test_a_resumed_sft_run_repeats_the_uninterrupted_runs_steps_on_the_same_data
         assert evals[0][name] == first[2][name], name
     assert "sft: 6 steps" in sft_runs.out and "held-out loss" in sft_runs.out
     assert (sft_runs.model / "model.safetensors").is_file() and (sft_runs.root / "sft" / "loss.png").is_file()
+    # The file transport's weight folder of each run is removed when it ends (RunResources.close).
+    weights = sft_runs.root / "weights"
+    assert weights.is_dir() and list(weights.glob(f"{RUN_PREFIX}*")) == []
 
 
 def test_sft_evaluates_the_weights_of_the_step_it_reports(sft_runs: SFTRuns) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from apps.grpo.roles import ROLE_ENV
+from apps.common.roles import ROLE_ENV
 from tests.integration.app_runs import finish_app, start_app
 from tests.slurm.conftest import CLUSTER_DIR, job_processes, queued_jobs, restore_node, submitted_job, wait_until
 

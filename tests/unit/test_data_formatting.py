@@ -38,7 +38,7 @@ def test_a_template_without_the_question_is_refused():
 def test_a_checkpoint_with_another_tokenizer_than_the_config_expects_is_refused(tmp_path):
     """model.tokenizer names the tokenizer the run expects: the same one passes, another (here the
     chat layout's, two more tokens and a template) is an error naming both folders."""
-    from apps.grpo.roles import check_tokenizer
+    from apps.common.inputs import check_tokenizer
 
     plain = make_tiny_model(tmp_path / "plain", num_layers=1)
     same = make_tiny_model(tmp_path / "same", num_layers=1, seed=3)

@@ -16,9 +16,10 @@ import logging
 import pytest
 import torch
 
+from apps.common.launch import Roles
+from apps.common.roles import RoleFailed
 from apps.grpo.groups import SingleTurnGroups
 from apps.grpo.multiturn import MultiTurnGroups
-from apps.grpo.roles import RoleFailed, Roles
 from forge.actors.policy import PackedGroups
 from forge.actors.reference_model import ResponseGroup
 from forge.controller import Batching, ForgeActor, endpoint

@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
+from apps.common.launch import Roles
 from apps.grpo.config import GRPOConfig
-from apps.grpo.roles import Roles
 from apps.grpo.rollouts import DynamicSampling, RolloutCounts, Rollouts, rewards_uniform
 from forge.config import load_config
 from forge.losses import group_advantages

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from apps.common.launch import Roles
+from apps.common.roles import RoleFailed
 from apps.grpo import groups
 from apps.grpo.groups import GroupSettings, SingleTurnGroups, group_maker, make_with_retries
 from apps.grpo.multiturn import MultiTurnGroups
-from apps.grpo.roles import RoleFailed, Roles
 from apps.grpo.rollouts import Rollouts
 from forge.controller import ReplicaFailed
 from forge.types import Episode, EpisodeBatch, Prompt

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from apps.common.launch import assign_gpus
 from apps.grpo.config import GRPOConfig
-from apps.grpo.roles import assign_gpus
 from forge.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]

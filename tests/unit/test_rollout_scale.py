@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import rollout_scale  # noqa: E402
 
+from apps.common.roles import RoleFailed  # noqa: E402
 from apps.grpo.groups import SingleTurnGroups  # noqa: E402
-from apps.grpo.roles import RoleFailed  # noqa: E402
 from forge.actors.reward import MAX_BATCH_PAIRS, RewardActor, group_pairs  # noqa: E402
 from forge.controller import Batching, endpoint  # noqa: E402
 from forge.types import Prompt  # noqa: E402

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from apps.common.launch import Roles, RunResources
+from apps.common.roles import RoleFailed
 from apps.grpo.config import GRPOConfig
-from apps.grpo.roles import RoleFailed, Roles
 from apps.grpo.trainer_restart import TrainerRestarts
 from forge.checkpoint import TrainingState, save_checkpoint
 from forge.config import load_config
@@ -33,7 +34,7 @@ class _ScriptedRestarts(TrainerRestarts):
     """``TrainerRestarts`` whose new mesh dies while restoring as often as ``outcomes`` says."""
 
     def __init__(self, cfg: GRPOConfig, outcomes: list[BaseException | None]) -> None:
-        super().__init__(cfg, "/m", Roles(), _Watch())
+        super().__init__(cfg, "/m", Roles(), RunResources(), _Watch())
         self.outcomes = outcomes
         self.replaced: list[str] = []
 
