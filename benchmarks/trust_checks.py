@@ -5,7 +5,7 @@
 On the medium model (a random-init Qwen2, 512 wide, 6 layers, 15.8 M parameters) with AdamW
 state, one torch thread, in one process, it times (medians of ``--runs``):
 
-- ``save_s``, ``load_s``: ``save_checkpoint`` and ``load_checkpoint`` (DCP, one rank);
+- ``save_s``, ``load_s``: ``write_checkpoint`` and ``load_checkpoint`` (DCP, one rank);
 - ``read_state_s``: ``read_training_state`` (the state file, ``weights_only=True``);
 - ``read_checkpoint_s``: ``read_checkpoint`` (the whole state dict, without a model);
 - ``weights_write_s``: the trainer's copy of one version into its kept weight files;

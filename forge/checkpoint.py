@@ -15,13 +15,13 @@ A checkpoint is a folder ``<root>/step_<N>/`` holding
 **Loading a checkpoint runs no code from it**, although both formats are pickles: a checkpoint
 folder may come from someone else (a shared filesystem, a downloaded run). ``trainer_state.pt``
 loads with ``torch.load(weights_only=True)``: it holds tensors, numbers, strings, lists, tuples
-and dicts only, and ``save_checkpoint`` refuses ``extra`` state that would not load that way
+and dicts only, and ``start_checkpoint`` refuses ``extra`` state that would not load that way
 (checkpoints of earlier forge versions are in that form already). DCP's files are read through
 ``forge.unpickling``'s allowlists. A file that needs anything else is ``UnsafeCheckpoint``,
 naming the file; nothing in it has run. A training state that a user's own script wrote with
 other types in ``extra`` (numpy values) converts once: ``python -m forge.checkpoint convert PATH``.
 
-Every rank calls ``save_checkpoint``/``load_checkpoint`` (they run collectives when the model is
+Every rank calls ``write_checkpoint``/``load_checkpoint`` (they run collectives when the model is
 sharded). The folder is written under a temporary name (``forge.staging.staged_folder``, on rank
 0) and renamed into place by rank 0 when every shard is written, so a run killed mid-write leaves
 the previous checkpoint intact and never a half-written one; ``latest_checkpoint`` only sees
@@ -78,7 +78,7 @@ __all__ = [
     "read_training_state",
     "restore_rng",
     "PendingCheckpoint",
-    "save_checkpoint",
+    "write_checkpoint",
     "start_checkpoint",
 ]
 
@@ -163,18 +163,13 @@ def _quiet_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- writing
-def save_checkpoint(
-    root: str | os.PathLike,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: TrainingState,
-    *,
-    keep: int = 2,
-    where: SpmdRank | None = None,
+def write_checkpoint(
+    root: str | os.PathLike, model: torch.nn.Module, optim: torch.optim.Optimizer, state: TrainingState, **options: Any
 ) -> Path:
-    """Write ``<root>/step_<state.step>/`` atomically from every rank; return its path
-    (``start_checkpoint``, then ``PendingCheckpoint.wait``)."""
-    return start_checkpoint(root, model, optimizer, state, keep=keep, where=where).wait()
+    """``start_checkpoint`` (its ``options``: ``keep``, ``where``, ``process_group``) and wait for
+    the write: the checkpoint's path once it is in place. A script's or a test's save; the trainer
+    writes in the background."""
+    return start_checkpoint(root, model, optim, state, **options).wait()
 
 
 def start_checkpoint(
@@ -204,10 +199,10 @@ def start_checkpoint(
     """
     where = where or _ONE_RANK
     if keep < 1:
-        raise ValueError(f"save_checkpoint keep must be >= 1, got {keep}")
+        raise ValueError(f"start_checkpoint keep must be >= 1, got {keep}")
     extra = dict(state.extra)
     check_plain(
-        extra, "save_checkpoint: state.extra"
+        extra, "start_checkpoint: state.extra"
     )  # on every rank (they all hold it), so no rank is left in a collective
     root = Path(root)
     final = root / f"{_PREFIX}{state.step:08d}"

@@ -116,6 +116,27 @@ async def _run_until_signalled(run: Run, cfg: Any, terminal: Any, resume_from: P
         loop.remove_signal_handler(signal.SIGTERM)
 
 
+def entry(
+    app: str,
+    schema: str,
+    run: Run,
+    doc: str | None,
+    *,
+    resumable: bool = True,
+    failures: tuple[type[BaseException], ...] = (),
+) -> Callable[[list[str] | None], int]:
+    """An app's ``main(argv=None) -> exit code``: ``main`` with the app's settings, so that each
+    app's module says only what is its own (its name, config class, run, failures). ``doc``: the
+    app module's docstring, whose first paragraph is ``--help``'s description."""
+    description = " ".join((doc or app).split("\n\n")[0].split())
+
+    def app_main(argv: list[str] | None = None) -> int:
+        return main(app, schema, run, argv, description=description, resumable=resumable, failures=failures)
+
+    app_main.__doc__ = f"``python -m apps.{app}.main``: returns the process exit code (``apps.common.cli``)."
+    return app_main
+
+
 def main(
     app: str,
     schema: str,

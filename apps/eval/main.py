@@ -63,18 +63,7 @@ async def run(cfg: EvalAppConfig, terminal: Any, resume_from: Path | None = None
     return json.dumps(result)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: returns the process exit code (``apps.common.cli``)."""
-
-    return cli.main(
-        "eval",
-        "apps.eval.config:EvalAppConfig",
-        run,
-        argv,
-        description="Evaluate a checkpoint on held-out records.",
-        resumable=False,
-        failures=(RoleFailed,),
-    )
+main = cli.entry("eval", "apps.eval.config:EvalAppConfig", run, __doc__, resumable=False, failures=(RoleFailed,))
 
 
 if __name__ == "__main__":

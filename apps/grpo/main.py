@@ -135,17 +135,7 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         resources.close()  # after the roles: their processes run on its hosts
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: returns the process exit code (``apps.common.cli``)."""
-
-    return cli.main(
-        "grpo",
-        "apps.grpo.config:GRPOConfig",
-        run,
-        argv,
-        description="GRPO training on Monarch actors (see the module docstring).",
-        failures=(RoleFailed,),
-    )
+main = cli.entry("grpo", "apps.grpo.config:GRPOConfig", run, __doc__, failures=(RoleFailed,))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,34 +47,24 @@ def eval_plan(cfg: GRPOConfig, model_path: str) -> EvalPlan | None:
     )
 
 
+@dataclass(eq=False)
 class TrainingRun:
     """One run's training, once its roles are up (module docstring). ``log`` is its step log (the
     rows logged so far, after a failure too); ``summary`` says how it went."""
 
-    def __init__(
-        self,
-        cfg: GRPOConfig,
-        model_path: str,
-        roles: Roles,
-        resources: RunResources,
-        watch: RoleWatch,
-        terminal: Any,
-        *,
-        started: float,
-        resume_from: Path | None = None,
-        plan: EvalPlan | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.model_path = model_path
-        self.roles = roles
-        self.resources = resources
-        self.watch = watch
-        self.terminal = terminal
-        self.started = started
-        self.resume_from = resume_from
-        self.plan = plan
-        self.log: RunLog | None = None
-        self.startup_s = 0.0
+    cfg: GRPOConfig
+    model_path: str
+    roles: Roles
+    resources: RunResources
+    """The run's hosts, weight folder and weight sync (``resources.weights`` set before ``run``)."""
+    watch: RoleWatch
+    terminal: Any
+    started: float = field(kw_only=True)
+    """When the run started (``time.perf_counter``): rows' ``wall_s`` and the start-up count from it."""
+    resume_from: Path | None = field(default=None, kw_only=True)
+    plan: EvalPlan | None = field(default=None, kw_only=True)
+    log: RunLog | None = field(default=None, init=False)
+    startup_s: float = field(default=0.0, init=False)
 
     def summary(self) -> str:
         if self.log is None:

@@ -97,7 +97,7 @@ async def train(
                 roles,
             )
             if checkpoint_due(cfg, step):
-                await save_checkpoint(cfg, roles, step)
+                await checkpoint_run(cfg, roles, step)
             if cfg.trainer.export_every and step % cfg.trainer.export_every == 0:
                 await export_step(cfg, roles, step, log.started)
         if pushing is not None:
@@ -147,7 +147,7 @@ def checkpoint_due(cfg: GRPOConfig, step: int) -> bool:
     return every > 0 and (step % every == 0 or step == cfg.steps)
 
 
-async def save_checkpoint(cfg: GRPOConfig, roles: Roles, step: int) -> None:
+async def checkpoint_run(cfg: GRPOConfig, roles: Roles, step: int) -> None:
     """The trainer's full state, plus the controller's: the dataset's position. The time the step
     loop waits for it is ``checkpoint_s`` in the next step's row."""
     from forge.observability import record_metric

@@ -123,17 +123,9 @@ def report(cfg: MultiLoraConfig, results: list[RunResult], models: dict[str, Any
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: returns the process exit code (``apps.common.cli``)."""
-
-    return cli.main(
-        "multi_lora",
-        "apps.multi_lora.config:MultiLoraConfig",
-        run,
-        argv,
-        description="K LoRA GRPO runs sharing one policy service (see the module docstring).",
-        failures=(RoleFailed, RunsFailed),
-    )
+main = cli.entry(
+    "multi_lora", "apps.multi_lora.config:MultiLoraConfig", run, __doc__, failures=(RoleFailed, RunsFailed)
+)
 
 
 if __name__ == "__main__":

@@ -279,17 +279,7 @@ def summary(cfg: SFTConfig, log: StepLog, elapsed_s: float, startup_s: float, st
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: returns the process exit code (``apps.common.cli``)."""
-
-    return cli.main(
-        "sft",
-        "apps.sft.config:SFTConfig",
-        run,
-        argv,
-        description="Supervised fine-tuning on Monarch actors.",
-        failures=(RoleFailed,),
-    )
+main = cli.entry("sft", "apps.sft.config:SFTConfig", run, __doc__, failures=(RoleFailed,))
 
 
 if __name__ == "__main__":

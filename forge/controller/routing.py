@@ -47,7 +47,7 @@ import collections
 import itertools
 import math
 import random
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -206,19 +206,33 @@ class Pins:
 class Sticky(Router):
     """The key is a session id: the first request of a session goes to the less loaded of two
     random replicas, later ones follow it while it can take traffic (``Pins``, no load bound).
-    Requests without a key are balanced the same way."""
+    Requests without a key are balanced the same way.
 
-    def __init__(self, seed: int | None = None, max_sessions: int = 100_000) -> None:
+    ``session_of`` maps a request's key to the session it pins (default: the key itself), and
+    ``place`` picks a new session's replica (default: the less loaded of two random ones), so a
+    router with another first choice (``forge.envs.EnvSessionRouter``) is this one, configured."""
+
+    def __init__(
+        self,
+        seed: int | None = None,
+        max_sessions: int = 100_000,
+        *,
+        session_of: Callable[[Hashable], Hashable] | None = None,
+        place: Callable[[Hashable, Sequence[ReplicaView]], ReplicaView] | None = None,
+    ) -> None:
         self._rng = random.Random(seed)
         self.pins = Pins(max_sessions)
+        self._session_of = session_of
+        self._place = place
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> ReplicaView:
         if request.key is None:
             return least_loaded_of_two(replicas, self._rng)
-        chosen = self.pins.get(request.key, replicas)
+        session = request.key if self._session_of is None else self._session_of(request.key)
+        chosen = self.pins.get(session, replicas)
         if chosen is None:
-            chosen = least_loaded_of_two(replicas, self._rng)
-            self.pins.pin(request.key, chosen)
+            chosen = least_loaded_of_two(replicas, self._rng) if self._place is None else self._place(session, replicas)
+            self.pins.pin(session, chosen)
         return chosen
 
 

@@ -14,12 +14,11 @@ layer's one stickiness mechanism.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from forge.checks import check_int
-from forge.controller import KeyAffinity, Router
+from forge.controller import KeyAffinity, Sticky
 from forge.controller.routing import Pins, ReplicaView, RouteRequest, least_loaded_of_two, rendezvous_score
 
 __all__ = ["EnvSessionRouter", "SessionAffinity", "SessionKey"]
@@ -89,23 +88,22 @@ class SessionAffinity(KeyAffinity):
         return chosen
 
 
-class EnvSessionRouter(Router):
+class EnvSessionRouter(Sticky):
     """Environment routing: a session lives on exactly one env replica (the episode's state is
     there and nowhere else), so it never spills. Its first call goes to the owner of the session
-    id by rendezvous hashing, which is pinned (``Pins``, no load bound); a session whose pin was
-    forgotten (past ``max_sessions``) finds the same owner again while the replicas are the same.
-    A replica that restarts loses its episodes, whose next step fails alone (``EnvError``)."""
+    id by rendezvous hashing, which is pinned (``Sticky``: ``Pins``, no load bound); a session
+    whose pin was forgotten (past ``max_sessions``) finds the same owner again while the replicas
+    are the same. A replica that restarts loses its episodes, whose next step fails alone
+    (``EnvError``)."""
 
     def __init__(self, seed: int | None = None, max_sessions: int = 100_000) -> None:
-        self._rng = random.Random(seed)
-        self.pins = Pins(max_sessions)
+        super().__init__(seed, max_sessions, session_of=_session, place=_owner)
 
-    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> ReplicaView:
-        if request.key is None:
-            return least_loaded_of_two(replicas, self._rng)
-        session, _ = _session_and_group(request.key)
-        chosen = self.pins.get(session, replicas)
-        if chosen is None:
-            chosen = max(replicas, key=lambda r: rendezvous_score(session, r.replica_id))
-            self.pins.pin(session, chosen)
-        return chosen
+
+def _session(key: Hashable) -> Hashable:
+    return _session_and_group(key)[0]
+
+
+def _owner(session: Hashable, replicas: Sequence[ReplicaView]) -> ReplicaView:
+    """The replica that owns ``session`` by rendezvous hashing (the same while the replicas are)."""
+    return max(replicas, key=lambda r: rendezvous_score(session, r.replica_id))

@@ -176,11 +176,11 @@ def test_resume_without_a_checkpoint_fails_naming_the_folder(tmp_path: Path) -> 
 
 def test_fresh_run_refuses_an_output_dir_that_holds_checkpoints(tmp_path: Path) -> None:
     """Without --resume, a run into a folder with checkpoints exits 2 instead of mixing two runs."""
-    from forge.checkpoint import TrainingState, save_checkpoint
+    from forge.checkpoint import TrainingState, write_checkpoint
 
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(model.parameters())
-    save_checkpoint(tmp_path / "out" / "checkpoints", model, optimizer, TrainingState(4, 4))
+    write_checkpoint(tmp_path / "out" / "checkpoints", model, optimizer, TrainingState(4, 4))
     code, out, err = _finish(_app(tmp_path), timeout=60)
     assert code == 2
     assert "holds checkpoints of an earlier run (newest step_00000004); add --resume" in err

@@ -23,7 +23,7 @@ from forge.checkpoint import (
     load_checkpoint,
     read_checkpoint,
     read_training_state,
-    save_checkpoint,
+    write_checkpoint,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -51,7 +51,7 @@ def test_round_trip_restores_weights_optimizer_state_step_and_rng(tmp_path):
     model, opt = tiny_model_and_optimizer(seed=0, steps=3)
     random.seed(5)
     torch.manual_seed(5)
-    path = save_checkpoint(tmp_path, model, opt, TrainingState(step=7, policy_version=6, extra={"seed": 3}))
+    path = write_checkpoint(tmp_path, model, opt, TrainingState(step=7, policy_version=6, extra={"seed": 3}))
     expected_python, expected_torch = random.random(), torch.rand(3)
 
     fresh, fresh_opt = tiny_model_and_optimizer(seed=1, steps=0)
@@ -72,7 +72,7 @@ def test_round_trip_restores_weights_optimizer_state_step_and_rng(tmp_path):
 
 def test_read_checkpoint_gives_full_tensors_and_optimizer_state_by_parameter_name(tmp_path):
     model, opt = tiny_model_and_optimizer(steps=2)
-    path = save_checkpoint(tmp_path, model, opt, TrainingState(step=2, policy_version=2))
+    path = write_checkpoint(tmp_path, model, opt, TrainingState(step=2, policy_version=2))
     weights, optimizer, state = read_checkpoint(path)
     assert state.step == 2 and len(state.rng) == 1
     assert torch.equal(weights["0.weight"], model[0].weight) and torch.equal(weights["1.bias"], model[1].bias)
@@ -83,7 +83,7 @@ def test_read_checkpoint_gives_full_tensors_and_optimizer_state_by_parameter_nam
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     model, opt = tiny_model_and_optimizer()
     for step in (2, 4, 6):
-        save_checkpoint(tmp_path, model, opt, TrainingState(step, step), keep=2)
+        write_checkpoint(tmp_path, model, opt, TrainingState(step, step), keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000006"]
     assert latest_checkpoint(tmp_path).name == "step_00000006"
 
@@ -91,7 +91,7 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
 def test_half_written_checkpoint_is_ignored(tmp_path):
     """A folder with shards but without DCP's metadata or the training state is not a checkpoint."""
     model, opt = tiny_model_and_optimizer()
-    save_checkpoint(tmp_path, model, opt, TrainingState(3, 3))
+    write_checkpoint(tmp_path, model, opt, TrainingState(3, 3))
     broken = tmp_path / "step_00000009"
     broken.mkdir()
     (broken / "__0_0.distcp").write_bytes(b"partial")
@@ -108,7 +108,7 @@ def test_a_save_removes_the_temporary_folder_of_a_killed_save(tmp_path):
     model, opt = tiny_model_and_optimizer()
     (tmp_path / ".tmp_killed").mkdir()
     (tmp_path / ".tmp_killed" / "__0_0.distcp").write_bytes(b"partial")
-    save_checkpoint(tmp_path, model, opt, TrainingState(1, 1))
+    write_checkpoint(tmp_path, model, opt, TrainingState(1, 1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
 
 
@@ -120,10 +120,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_folder(tm
     """A save that fails (here DCP's copy of a model of meta tensors, before the write) removes
     its staging folder; the newest complete checkpoint is still the previous one."""
     model, opt = tiny_model_and_optimizer()
-    save_checkpoint(tmp_path, model, opt, TrainingState(3, 3))
+    write_checkpoint(tmp_path, model, opt, TrainingState(3, 3))
     meta = torch.nn.Linear(2, 2, device="meta")
     with pytest.raises((CheckpointException, NotImplementedError), match="meta tensor"):
-        save_checkpoint(tmp_path, meta, torch.optim.SGD(meta.parameters()), TrainingState(4, 4))
+        write_checkpoint(tmp_path, meta, torch.optim.SGD(meta.parameters()), TrainingState(4, 4))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003"]
     assert read_training_state(latest_checkpoint(tmp_path)).step == 3
 
@@ -148,7 +148,7 @@ def _unrestricted_load_runs_it(load: str, marker: Path) -> None:
 
 def test_a_training_state_whose_unpickling_would_run_code_is_refused_and_nothing_runs(tmp_path):
     model, opt = tiny_model_and_optimizer()
-    path = save_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
+    path = write_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
     marker = tmp_path / "ran"
     state = {"step": 2, "policy_version": 2, "rng": [], "extra": {"dataset_position": _RunsCode(marker)}}
     torch.save(state, path / "trainer_state.pt")
@@ -164,7 +164,7 @@ def test_a_training_state_whose_unpickling_would_run_code_is_refused_and_nothing
 def test_a_dcp_metadata_whose_unpickling_would_run_code_is_refused_and_nothing_runs(tmp_path):
     """DCP reads its own .metadata with a bare pickle.load; forge's reader allows DCP's classes only."""
     model, opt = tiny_model_and_optimizer()
-    path = save_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
+    path = write_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
     marker = tmp_path / "ran"
     (path / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
     with pytest.raises(UnsafeCheckpoint, match=rf"{path / '.metadata'} names builtins\.exec"):
@@ -181,7 +181,7 @@ def test_a_dcp_metadata_that_points_outside_its_folder_is_refused(tmp_path):
     from forge.unpickling import PlainReader
 
     model, opt = tiny_model_and_optimizer()
-    path = save_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
+    path = write_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
     metadata = PlainReader(str(path)).read_metadata()
     next(iter(metadata.storage_data.values())).relative_path = "../../secret"
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
@@ -193,7 +193,7 @@ def test_a_dcp_metadata_that_points_outside_its_folder_is_refused(tmp_path):
 def test_a_checkpoint_entry_whose_unpickling_would_run_code_is_refused_and_nothing_runs(tmp_path):
     """A non-tensor entry of the shards (DCP loads them with weights_only=False) is refused too."""
     model, opt = tiny_model_and_optimizer()
-    path = save_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
+    path = write_checkpoint(tmp_path, model, opt, TrainingState(2, 2))
     marker = tmp_path / "ran"
     from forge.checkpoint import _dcp_state
 
@@ -213,7 +213,7 @@ def test_save_refuses_extra_state_that_a_resume_could_not_load(tmp_path):
     """numpy values in extra would need unrestricted unpickling: a TypeError, and nothing written."""
     model, opt = tiny_model_and_optimizer()
     with pytest.raises(TypeError, match=r"state\.extra holds numpy.*int\(\) of a numpy value"):
-        save_checkpoint(tmp_path, model, opt, TrainingState(1, 1, extra={"position": np.int64(3)}))
+        write_checkpoint(tmp_path, model, opt, TrainingState(1, 1, extra={"position": np.int64(3)}))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -242,7 +242,7 @@ def test_a_trusted_training_state_with_numpy_values_converts_once_and_then_resum
     """A state file that a user's own script wrote with numpy values (refused, naming the file and
     the command) loads after ``python -m forge.checkpoint convert``, with the same values."""
     model, opt = tiny_model_and_optimizer()
-    path = save_checkpoint(tmp_path, model, opt, TrainingState(5, 4))
+    path = write_checkpoint(tmp_path, model, opt, TrainingState(5, 4))
     state = torch.load(path / "trainer_state.pt", weights_only=True)
     state["extra"] = {"position": np.int64(7), "scores": np.array([0.5, 1.5]), "name": "run"}
     torch.save(state, path / "trainer_state.pt")
@@ -259,7 +259,7 @@ def test_a_trusted_training_state_with_numpy_values_converts_once_and_then_resum
 
 def test_convert_refuses_what_it_cannot_make_plain_and_leaves_the_file(tmp_path):
     model, opt = tiny_model_and_optimizer()
-    path = save_checkpoint(tmp_path, model, opt, TrainingState(5, 4))
+    path = write_checkpoint(tmp_path, model, opt, TrainingState(5, 4))
     state = torch.load(path / "trainer_state.pt", weights_only=True)
     state["extra"] = {"when": Path("/x")}
     torch.save(state, path / "trainer_state.pt")
@@ -280,7 +280,7 @@ def test_a_checkpoint_of_another_layout_is_refused_naming_both_layouts(tmp_path)
         return torch.nn.ModuleDict({"model": blocks})
 
     saved = decoder(layers=2, hidden=64)
-    path = save_checkpoint(
+    path = write_checkpoint(
         tmp_path, saved, torch.optim.AdamW(saved.parameters()), TrainingState(step=1, policy_version=1)
     )
     own = {name: tuple(t.shape) for name, t in saved.state_dict().items()}

@@ -19,8 +19,8 @@ from forge.checkpoint import (
     load_checkpoint,
     read_checkpoint,
     read_training_state,
-    save_checkpoint,
     start_checkpoint,
+    write_checkpoint,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,14 +53,14 @@ def test_a_background_checkpoint_holds_the_state_at_the_call_and_is_in_place_whe
 
 _KILLED_MID_WRITE = """
 import os, signal, sys, time, torch
-from forge.checkpoint import TrainingState, save_checkpoint, start_checkpoint
+from forge.checkpoint import TrainingState, write_checkpoint, start_checkpoint
 root = sys.argv[1]
 torch.manual_seed(0)
 model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8)))  # 8.4 M params: 100 MB with AdamW
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model(torch.ones(2, 1024)).sum().backward()
 opt.step()
-save_checkpoint(root, model, opt, TrainingState(1, 1))
+write_checkpoint(root, model, opt, TrainingState(1, 1))
 with torch.no_grad():
     for p in model.parameters():
         p.add_(1.0)  # step 2's weights differ from step 1's
@@ -101,5 +101,5 @@ def test_a_process_killed_mid_write_leaves_the_previous_checkpoint_and_names_the
     assert load_checkpoint(newest, model, opt).step == 1
     step1, _, _ = read_checkpoint(newest)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in step1.items())
-    save_checkpoint(tmp_path, model, opt, TrainingState(3, 3))  # the resumed run's next checkpoint
+    write_checkpoint(tmp_path, model, opt, TrainingState(3, 3))  # the resumed run's next checkpoint
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000003"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge.checkpoint import TrainingState, check_space, latest_checkpoint, load_checkpoint, save_checkpoint
+from forge.checkpoint import TrainingState, check_space, latest_checkpoint, load_checkpoint, write_checkpoint
 from forge.generation.weight_files import WeightFiles
 
 
@@ -50,10 +50,10 @@ def _model(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def test_a_checkpoint_that_fills_a_real_small_filesystem_fails_clearly_and_keeps_the_last_one(tmp_path: Path) -> None:
     with _small_filesystem(tmp_path / "small", "4m") as root:
         small, small_opt = _model(64)  # ~50 KB a checkpoint
-        save_checkpoint(root, small, small_opt, TrainingState(1, 1))
+        write_checkpoint(root, small, small_opt, TrainingState(1, 1))
         big, big_opt = _model(1024)  # ~12.6 MB: more than the filesystem holds
         with pytest.raises(OSError, match=r"no room left to write checkpoint .*small.*filled up .* MiB free") as e:
-            save_checkpoint(root, big, big_opt, TrainingState(2, 2))
+            write_checkpoint(root, big, big_opt, TrainingState(2, 2))
         assert e.value.errno == errno.ENOSPC
         assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # the half-written one removed
         fresh, fresh_opt = _model(64)

@@ -15,7 +15,7 @@ from apps.common.launch import Roles, RunResources
 from apps.common.roles import RoleFailed
 from apps.grpo.config import GRPOConfig
 from apps.grpo.trainer_restart import TrainerRestarts
-from forge.checkpoint import TrainingState, save_checkpoint
+from forge.checkpoint import TrainingState, write_checkpoint
 from forge.config import load_config
 from forge.controller import ReplicaFailed
 
@@ -58,7 +58,7 @@ def _cfg(tmp_path: Path, *overrides: str) -> GRPOConfig:
     )
     model = torch.nn.Linear(2, 2)
     for step in (2, 4):
-        save_checkpoint(cfg.checkpoint_dir, model, torch.optim.AdamW(model.parameters()), TrainingState(step, step))
+        write_checkpoint(cfg.checkpoint_dir, model, torch.optim.AdamW(model.parameters()), TrainingState(step, step))
     (Path(cfg.checkpoint_dir) / ".tmp_killed").mkdir()
     (Path(cfg.checkpoint_dir) / ".tmp_killed" / "__0_0.distcp").write_bytes(b"half")
     return cfg
