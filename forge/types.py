@@ -50,7 +50,17 @@ class Completion:
     logprobs: torch.Tensor  # float32 [T], behaviour logprob of each sampled token
     text: str
     policy_version: int
+    """The version that sampled its oldest token: what ``max_policy_age`` goes by."""
     finish_reason: str = "stop"
+    token_versions: torch.Tensor | None = None
+    """int64 [T]: the version that sampled each token (a sequence may span a weight update made
+    while it was generated); None: every token ``policy_version``'s."""
+
+    def versions(self) -> torch.Tensor:
+        """int64 [T]: each token's version (``token_versions``, or ``policy_version`` throughout)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return torch.full((self.token_ids.numel(),), self.policy_version, dtype=torch.long)
 
 
 @dataclass
@@ -83,6 +93,9 @@ class PackedGroup(Packed):
     texts: list[str] = per_item()
     finish_reasons: list[str] = per_item()
     policy_version: int = shared()
+    """The oldest token's version, over the group."""
+    token_versions: torch.Tensor | None = per_token("response_lens", torch.long, fill=-1)
+    """The version that sampled each token; None: all ``policy_version``'s."""
 
     @classmethod
     def of(cls, group: Group | PackedGroup) -> PackedGroup:
@@ -99,14 +112,30 @@ class PackedGroup(Packed):
             texts=[c.text for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
             policy_version=group.policy_version if completions else 0,
+            token_versions=[c.versions() for c in completions],
         )
+
+    def versions(self) -> torch.Tensor:
+        """int64, flat like ``token_ids``: each token's version."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return torch.full((self.token_ids.numel(),), self.policy_version, dtype=torch.long)
 
     @functools.cached_property
     def completions(self) -> list[Completion]:
+        versions = self.pieces("token_versions") if self.token_versions is not None else [None] * len(self)
         return [
-            Completion(self.prompt_ids, t, lp, text, self.policy_version, reason)
-            for t, lp, text, reason in zip(
-                self.pieces("token_ids"), self.pieces("logprobs"), self.texts, self.finish_reasons
+            Completion(
+                self.prompt_ids,
+                t,
+                lp,
+                text,
+                int(v.min()) if v is not None and v.numel() else self.policy_version,
+                reason,
+                v,
+            )
+            for t, lp, text, reason, v in zip(
+                self.pieces("token_ids"), self.pieces("logprobs"), self.texts, self.finish_reasons, versions
             )
         ]
 
@@ -129,6 +158,9 @@ class Episode:
     finish_reason: str = "stop"
     """Why sampling ended (vLLM's): ``stop`` (EOS, a stop token or string) or ``length`` (cut at
     ``max_tokens``; ``trainer.mask_truncated`` leaves such episodes out of the loss)."""
+    token_versions: torch.Tensor | None = None
+    """int64 [T]: the version that sampled each response token, -1 for a token no policy sampled
+    (an environment's); None: not recorded (every sampled token ``policy_version``'s)."""
 
 
 @dataclass
@@ -154,11 +186,38 @@ class EpisodeBatch(Packed):
     """The response tokens the loss trains on; None: every one."""
     finish_reasons: list[str] | None = per_item(fill="stop")
     """None: all ``stop``."""
+    token_versions: torch.Tensor | None = per_token("response_lens", torch.long, fill=-1)
+    """The version that sampled each response token; -1: none recorded (an environment's token,
+    or an episode packed without versions)."""
 
     @property
     def policy_version(self) -> int:
         """The oldest episode's policy version."""
         return int(self.policy_versions.min())
+
+    def token_ages(self, version: int) -> dict[str, float]:
+        """How stale the sampled tokens are for a step that trains weights ``version``:
+        ``token_age_mean``/``token_age_max`` over the tokens whose version is known (else over
+        the episodes' versions), and ``spanning_fraction``, the share of episodes whose sampled
+        tokens span more than one version."""
+        if self.token_versions is None:
+            ages = (version - self.policy_versions).float()
+            return {"token_age_mean": float(ages.mean()), "token_age_max": float(ages.max()), "spanning_fraction": 0.0}
+        known = self.token_versions >= 0
+        if self.loss_mask is not None:
+            known &= self.loss_mask
+        ages = (version - self.token_versions[known]).float()
+        if ages.numel() == 0:
+            return {"token_age_mean": 0.0, "token_age_max": 0.0, "spanning_fraction": 0.0}
+        spanning = 0
+        for versions, mask in zip(self.pieces("token_versions"), torch.split(known, self.response_lens.tolist())):
+            seen = versions[mask]
+            spanning += int(seen.numel() > 0 and bool(seen.min() != seen.max()))
+        return {
+            "token_age_mean": float(ages.mean()),
+            "token_age_max": float(ages.max()),
+            "spanning_fraction": spanning / len(self),
+        }
 
     @classmethod
     def pack(cls, episodes: list[Episode]) -> EpisodeBatch:
@@ -175,6 +234,7 @@ class EpisodeBatch(Packed):
             policy_versions=[e.policy_version for e in episodes],
             loss_mask=[e.loss_mask for e in episodes],
             finish_reasons=[e.finish_reason for e in episodes],
+            token_versions=[e.token_versions for e in episodes],
         )
 
     @classmethod
@@ -208,26 +268,27 @@ class EpisodeBatch(Packed):
             advantages=advantages.float(),
             policy_versions=torch.full((n,), group.policy_version, dtype=torch.long),
             finish_reasons=list(group.finish_reasons),
+            token_versions=group.versions().long(),
         )
 
     def unpack(self) -> list[Episode]:
         masks = self.pieces("loss_mask") if self.loss_mask is not None else [None] * len(self)
         reasons = self.finish_reasons or ["stop"] * len(self)
-        return [
-            Episode(group_id, prompt, response, behaviour, reference, reward, advantage, version, mask, reason)
-            for group_id, prompt, response, behaviour, reference, reward, advantage, version, mask, reason in zip(
-                self.group_ids,
-                self.pieces("prompt_ids"),
-                self.pieces("response_ids"),
-                self.pieces("behaviour_logprobs"),
-                self.pieces("ref_logprobs"),
-                self.rewards.tolist(),
-                self.advantages.tolist(),
-                self.policy_versions.tolist(),
-                masks,
-                reasons,
-            )
-        ]
+        versions = self.pieces("token_versions") if self.token_versions is not None else [None] * len(self)
+        columns = zip(
+            self.group_ids,
+            self.pieces("prompt_ids"),
+            self.pieces("response_ids"),
+            self.pieces("behaviour_logprobs"),
+            self.pieces("ref_logprobs"),
+            self.rewards.tolist(),
+            self.advantages.tolist(),
+            self.policy_versions.tolist(),
+            masks,
+            reasons,
+            versions,
+        )
+        return [Episode(*row) for row in columns]
 
 
 @dataclass(frozen=True)
@@ -263,7 +324,10 @@ class TurnResult:
     logprobs: torch.Tensor  # float32 [T]
     text: str
     policy_version: int
+    """The version that sampled its oldest token."""
     finish_reason: str = "stop"
+    token_versions: torch.Tensor | None = None
+    """int64 [T]: the version that sampled each token; None: all ``policy_version``'s."""
 
 
 @dataclass

@@ -159,6 +159,16 @@ class WeightSyncSection:
     writable by other users (made 0700 if missing); each run writes in a ``run-*`` folder of its
     own inside, which its policy alone loads from and which is removed when the run ends
     (``forge.generation.weight_folder``)."""
+    mode: str = "drain"
+    """How the policy replicas take new weights: ``drain``, each once the generation in flight
+    has finished (no sequence spans two versions); ``in_flight``, between two engine steps, the
+    sequences in flight going on with the new weights, each token stamped with the version that
+    sampled it (``policy.keep_kv_on_update`` says whether their old KV is kept; needs
+    ``policy.engine_mode: batched`` and full weights, not LoRA); ``rolling``, as ``drain`` but at
+    most ``max_updating`` replicas at a time, new groups routed to the replicas already on the
+    newest version (``forge.controller.versions.NewestVersion``)."""
+    max_updating: int = 1
+    """``rolling``: how many policy replicas may load at once (at least 1, fewer than the replicas)."""
 
     def root(self) -> Path:
         """The folder ``dir`` names, or the default one (not checked or created here)."""
@@ -210,6 +220,15 @@ class TrainingSections(RunSections):
             raise ValueError(f"trainer.checkpoint_every must be >= 0 (0: never), got {self.trainer.checkpoint_every}")
         if self.weight_sync.transport not in ("message", "file"):
             raise ValueError(f"weight_sync.transport must be 'message' or 'file', got {self.weight_sync.transport!r}")
+        modes = ("drain", "in_flight", "rolling")
+        if self.weight_sync.mode not in modes:
+            raise ValueError(f"weight_sync.mode must be one of {modes}, got {self.weight_sync.mode!r}")
+        replicas, updating = self.policy.num_replicas, self.weight_sync.max_updating
+        if self.weight_sync.mode == "rolling" and not (1 <= updating < replicas):
+            raise ValueError(
+                f"weight_sync.max_updating must be at least 1 and fewer than policy.num_replicas ({replicas}) "
+                f"for a rolling update, got {updating!r}"
+            )
         if "jsonl" not in self.logging.sinks:
             raise ValueError(
                 "logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source"

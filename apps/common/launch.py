@@ -123,6 +123,13 @@ class RunResources:
             self.weight_folder = None
 
 
+def replica_updates(cfg: RunSections) -> str:
+    """How each policy replica takes an update (``PolicyConfig.weight_updates``): a rolling sync
+    drains each replica in its turn; eval takes no updates."""
+    mode = getattr(getattr(cfg, "weight_sync", None), "mode", "drain")
+    return "drain" if mode == "rolling" else mode
+
+
 def policy_config(cfg: RunSections, model_path: str, group_size: int, weights_dir: str | None = None) -> PolicyConfig:
     """The policy's ``PolicyConfig``: the ``policy`` section's settings and the run's model, seed
     and weight folder (the only one it loads files from; None: any path)."""
@@ -135,6 +142,7 @@ def policy_config(cfg: RunSections, model_path: str, group_size: int, weights_di
         seed=cfg.seed,
         weights_dir=weights_dir,
         lora=getattr(getattr(cfg, "trainer", None), "lora", None),  # LoRA: versions are adapters (eval has none)
+        weight_updates=replica_updates(cfg),
     )
     policy.engine_kwargs = {"use_tqdm_on_load": False, **cfg.policy.engine_kwargs}
     return policy

@@ -10,6 +10,11 @@ only writer of it:
 - ``resync`` is the policy service's resync hook (``svc.set_resync(weights.resync)``): a
   restarted replica loads the served weights before it takes traffic.
 
+A push reaches every healthy replica at once, or, with ``max_updating`` (``weight_sync.mode:
+rolling``), at most that many replicas at a time while the others go on serving the previous
+version; each replica's version is recorded in the service as its load returns, so a
+``NewestVersion`` router sends new groups to the replicas already on the newest one.
+
 A replica that dies while loading does not fail a push: it restarts and resyncs, and the push
 waits only for the replicas that are alive.
 """
@@ -47,6 +52,7 @@ class PolicyWeights:
         folder: str,
         resync_timeout_s: float,
         fetch_timeout_s: float | None = None,
+        max_updating: int | None = None,
     ) -> None:
         if transport not in ("file", "message"):
             raise ValueError(f"weight_sync.transport must be 'file' or 'message', got {transport!r}")
@@ -57,6 +63,8 @@ class PolicyWeights:
         self.resync_timeout_s = resync_timeout_s
         self.fetch_timeout_s = fetch_timeout_s
         """Longest a fetch from the trainer may take (None: no bound): past it the trainer is hung."""
+        self.max_updating = max_updating
+        """Rolling pushes: at most this many replicas load at once (None: all of them together)."""
         self.served = ServedWeights()
 
     def use_trainer(self, trainer: Any) -> None:
@@ -77,15 +85,52 @@ class PolicyWeights:
 
         t0 = time.perf_counter()
         self.served = ServedWeights(weights, version)
-        try:
-            await call_role("policy", self.policy.update_weights.fanout(weights, version))
-        except RoleFailed as exc:
-            if not exc.recoverable:
-                raise
-            record_metric("weight_sync/interrupted", 1, "sum")
-            await self._loads_finished(exc)
+        if self.max_updating is not None:
+            await self._roll(weights, version)
+        else:
+            live = list(self._service().healthy_replicas())
+            try:
+                await call_role("policy", self.policy.update_weights.fanout(weights, version))
+            except RoleFailed as exc:
+                if not exc.recoverable:
+                    raise
+                record_metric("weight_sync/interrupted", 1, "sum")
+                await self._loads_finished(exc)
+            self._record(live, version)
         record_metric("weight_sync/push_s", time.perf_counter() - t0)
         return version
+
+    async def _roll(self, weights: Any, version: int) -> None:
+        """Load ``version`` into the healthy replicas ``max_updating`` at a time, the others
+        serving on; a replica that dies meanwhile restarts and resyncs to the served version."""
+        from forge.observability import record_metric
+
+        replicas = list(self._service().healthy_replicas())
+        wave = max(1, int(self.max_updating or 1))
+        for start in range(0, len(replicas), wave):
+            group = [r for r in replicas[start : start + wave] if r.accepting]
+            loads = [r.actor_mesh.update_weights.call(weights, version) for r in group]
+            results = await asyncio.gather(
+                *(asyncio.wait_for(load, self.resync_timeout_s) for load in loads), return_exceptions=True
+            )
+            for replica, result in zip(group, results):
+                if isinstance(result, BaseException):  # died or hung mid-load: its restart resyncs it
+                    record_metric("weight_sync/interrupted", 1, "sum")
+                    if replica.accepting:  # alive but failing: a bad update, not a death
+                        raise RoleFailed("policy", result)
+                    continue
+                self._record([replica], version)
+
+    def _service(self) -> Any:
+        """The policy's ``Service`` (the handle's own)."""
+        return self.policy.service
+
+    def _record(self, replicas: list[Any], version: int) -> None:
+        """These replicas serve ``version`` now (what version-aware routing reads)."""
+        service = self._service()
+        for replica in replicas:
+            if replica.accepting:
+                service.record_version(replica, version)
 
     async def sync(self) -> int:
         """Fetch and push the trainer's weights, and wait; returns their version."""
@@ -100,11 +145,12 @@ class PolicyWeights:
         tokens and their logprobs, for the trainer to score the same tokens (``Policy.probe``)."""
         return await call_role("policy", self.policy.probe.fanout(prompt_ids))
 
-    async def resync(self, actor_mesh: Any) -> None:
+    async def resync(self, actor_mesh: Any) -> int:
         """A restarted policy replica's step before it takes traffic: load the served weights.
 
         If a new version is pushed while it loads (the push skips replicas that are not healthy
-        yet), it loads that one too, so it rejoins at the current version.
+        yet), it loads that one too, so it rejoins at the current version. Returns the version
+        loaded (the service records it as the replica's).
         """
         from forge.observability import record_metric
 
@@ -112,12 +158,13 @@ class PolicyWeights:
         for _ in range(5):
             served = self.served
             if served.weights is None or served.version == loaded:
-                return
+                return loaded
             load = actor_mesh.update_weights.call(served.weights, served.version)
             await asyncio.wait_for(load, self.resync_timeout_s)
             loaded = served.version
             record_metric("weight_sync/resyncs", 1, "sum")
             record_metric("weight_sync/resync_version", loaded, "last")
+        return loaded
 
     async def _loads_finished(self, interrupted: RoleFailed, tries: int = 5) -> None:
         """Wait until the live policy replicas have run their weight loads of an interrupted push.

@@ -104,6 +104,7 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
             resources.weights_dir,
             cfg.faults.max_unhealthy_s,
             fetch_timeout_s=cfg.faults.health_timeout_s,
+            max_updating=cfg.weight_sync.max_updating if cfg.weight_sync.mode == "rolling" else None,
         )
         # A restarted policy replica loads the weights the others serve before it takes traffic.
         roles.policy.set_resync(resources.weights.resync)

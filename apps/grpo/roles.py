@@ -42,7 +42,13 @@ def role_specs(cfg: GRPOConfig, model_path: str, weights_dir: str | None = None)
         dtype=cfg.reference.dtype,
         pack_sequences=cfg.reference.pack_sequences,
     )
-    routers = {"endpoint_routers": {"generate": "key_affinity", "generate_turn": SessionAffinity}}
+    generate: Any = "key_affinity"
+    if cfg.weight_sync.mode == "rolling":  # new groups go to the replicas on the newest weights
+        from forge.controller.routing import KeyAffinity
+        from forge.controller.versions import NewestVersion
+
+        generate = NewestVersion(KeyAffinity())
+    routers = {"endpoint_routers": {"generate": generate, "generate_turn": SessionAffinity}}
     specs = [
         RoleSpec(
             "policy", Policy, policy_config(cfg, model_path, cfg.group_size, weights_dir), POLICY_ENV, options=routers

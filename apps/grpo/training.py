@@ -83,6 +83,8 @@ async def train(
                     "grad_norm": stats["grad_norm"],
                     "policy_version": version,
                     "policy_age_mean": float((version - 1 - batch.policy_versions).float().mean()),
+                    # Per sampled token (a sequence may span an update): mean, max, share spanning versions.
+                    **{f"policy/{k}": v for k, v in batch.token_ages(version - 1).items()},
                     "response_len_mean": float(batch.response_lens.float().mean()),
                     # Pad tokens / tokens the trainer's forward passes computed (near 0 with pack_sequences).
                     "padding_fraction": stats["padding_fraction"],

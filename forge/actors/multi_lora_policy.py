@@ -110,13 +110,7 @@ class MultiLoraPolicy(Policy):
         stamped with the adapter version that sampled it."""
         inputs = [r.history_ids for r in requests]
         samples = [group[0] for group in await self._sample(inputs, 1, "policy/turn_batch", adapter=adapter)]
-        return PackedTurns.build(
-            token_ids=[c.token_ids for c in samples],
-            logprobs=[c.logprobs for c in samples],
-            texts=[c.text for c in samples],
-            finish_reasons=[c.finish_reason for c in samples],
-            policy_version=adapter.version,
-        )
+        return PackedTurns.of(samples, adapter.version)
 
     @endpoint(batch=Batching(max_size=1), multiplexed=True)
     async def probe_adapter(

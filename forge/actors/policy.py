@@ -17,7 +17,11 @@ the trainer computes) and the policy version it was sampled with.
 ``update_weights(state_dict, version)`` loads new weights into the running engine in place. With
 ``PolicyConfig.lora`` (a LoRA trainer) vLLM serves adapters instead: each version is an adapter
 folder loaded beside the base, which is never reloaded (``forge.generation.lora``).
-Endpoints of one actor run one at a time, so an update never lands in the middle of a batch.
+The sampling endpoints are concurrent, so an update can reach the replica while it generates.
+``PolicyConfig.weight_updates`` says what then happens: ``drain`` (the default) waits for the
+generation in flight to finish, so no sequence spans two versions; ``in_flight`` loads between
+two engine steps (``VllmEngine.generate_async``) and the sequences in flight go on with the new
+weights, each token stamped with the version that sampled it (``Completion.token_versions``).
 
 Routing: ``prompt_key`` + ``key_affinity`` send a prompt (and any retry of it) to the replica
 that owns it by consistent hashing, where its prefix may still be cached. The key only routes:
@@ -26,6 +30,8 @@ on the replica every prompt shares ``generate``'s one batch queue.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import inspect
 import logging
@@ -66,6 +72,7 @@ def prompt_seed(prompt_id: str, version: int) -> int:
 
 
 ENGINE_MODES = ("batched", "async")
+WEIGHT_UPDATES = ("drain", "in_flight")
 
 
 @dataclass(kw_only=True)
@@ -106,9 +113,19 @@ class PolicySettings:
     ``forge.generation.lora.VLLM_LORA_RANKS``); 0: the smallest of them that holds the trainer's
     rank."""
 
+    keep_kv_on_update: bool = False
+    """With in-flight weight updates: keep the KV that the old weights computed (the sequences in
+    flight and the prefix cache) instead of recomputing it on the new weights. Cheaper; the
+    tokens sampled after the update then saw old-weight KV for their prefix."""
+
     def __post_init__(self) -> None:
         if self.engine_mode not in ENGINE_MODES:
             raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, got {self.engine_mode!r}")
+        if self.keep_kv_on_update and self.engine_mode != "batched":
+            raise ValueError(
+                f"keep_kv_on_update needs engine_mode 'batched' (its updates land between engine steps); "
+                f"the {self.engine_mode!r} engine drains before every update"
+            )
 
 
 @dataclass(kw_only=True)
@@ -127,9 +144,20 @@ class PolicyConfig(PolicySettings):
     lora: LoraSettings | None = None
     """The trainer's adapter (``trainer.lora``): vLLM serves adapters over the base and every
     ``update_weights`` is an adapter (``forge.generation.lora``). None: full weights."""
+    weight_updates: str = "drain"
+    """``drain``: ``update_weights`` waits for the generation in flight to finish; ``in_flight``:
+    it loads between two engine steps and the sequences in flight go on with the new weights
+    (the app's ``weight_sync.mode``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.weight_updates not in WEIGHT_UPDATES:
+            raise ValueError(f"weight_updates must be one of {WEIGHT_UPDATES}, got {self.weight_updates!r}")
+        if self.weight_updates == "in_flight" and (self.engine_mode != "batched" or self.lora is not None):
+            raise ValueError(
+                f"in-flight weight updates need engine_mode 'batched' and full weights; got engine_mode "
+                f"{self.engine_mode!r}{' and a LoRA trainer' if self.lora is not None else ''}"
+            )
         if self.lora is not None:
             serving_rank(self.lora.rank, self.max_lora_rank)  # a ValueError naming both ranks
             if self.engine_mode != "batched":
@@ -166,6 +194,9 @@ class PackedGroups(Packed):
     texts: list[str] = per_item()
     finish_reasons: list[str] = per_item()
     policy_version: int = shared()
+    """The version served when the batch ended."""
+    token_versions: torch.Tensor | None = per_token("response_lens", torch.long, fill=-1)
+    """The version that sampled each token (a batch may span an update)."""
 
     @classmethod
     def pack(cls, prompts: list[Prompt], outputs: list[list[Completion]], version: int) -> PackedGroups:
@@ -181,6 +212,7 @@ class PackedGroups(Packed):
             texts=[c.text for c in flat],
             finish_reasons=[c.finish_reason for c in flat],
             policy_version=version,
+            token_versions=[c.versions() for c in flat],
         )
 
     def unpack(self) -> list[PackedGroup]:
@@ -196,7 +228,8 @@ class PackedGroups(Packed):
                 g.response_lens,
                 g.texts,
                 g.finish_reasons,
-                g.policy_version,
+                _oldest(g.token_versions, g.policy_version),
+                g.token_versions,
             )
             for i, (prompt, g) in enumerate(zip(self.prompts, groups))
         ]
@@ -212,12 +245,26 @@ class PackedTurns(Packed):
     texts: list[str] = per_item()
     finish_reasons: list[str] = per_item()
     policy_version: int = shared()
+    token_versions: torch.Tensor | None = per_token("lens", torch.long, fill=-1)
+
+    @classmethod
+    def of(cls, samples: list[Completion], version: int) -> PackedTurns:
+        """One sample per turn, packed; ``version``: the version served when the batch ended."""
+        return cls.build(
+            token_ids=[c.token_ids for c in samples],
+            logprobs=[c.logprobs for c in samples],
+            texts=[c.text for c in samples],
+            finish_reasons=[c.finish_reason for c in samples],
+            policy_version=version,
+            token_versions=[c.versions() for c in samples],
+        )
 
     def unpack(self) -> list[TurnResult]:
+        versions = self.pieces("token_versions") if self.token_versions is not None else [None] * len(self)
         return [
-            TurnResult(tokens, logprobs, text, self.policy_version, reason)
-            for tokens, logprobs, text, reason in zip(
-                self.pieces("token_ids"), self.pieces("logprobs"), self.texts, self.finish_reasons
+            TurnResult(tokens, logprobs, text, _oldest(stamps, self.policy_version), reason, stamps)
+            for tokens, logprobs, text, reason, stamps in zip(
+                self.pieces("token_ids"), self.pieces("logprobs"), self.texts, self.finish_reasons, versions
             )
         ]
 
@@ -229,6 +276,10 @@ class Policy(ForgeActor):
         self.config = config
         self.engine: Any = None  # forge.generation.VllmEngine or AsyncVllmEngine, made in setup
         self._adapters: AdapterInbox | None = None  # LoRA: where adapters sent as messages are written
+        self._generating = 0  # generate/sample/turn calls in flight (their endpoints are concurrent)
+        self._updates: list[tuple[float, float, int]] = []  # (arrived, loaded, version), time.monotonic()
+        self._drained: asyncio.Event = asyncio.Event()
+        self._drained.set()
 
     @endpoint
     async def setup(self) -> None:
@@ -257,7 +308,7 @@ class Policy(ForgeActor):
         """``generate``'s debatch: the packed batch -> one ``PackedGroup`` per caller."""
         return _unpacked(packed, n, "Policy.generate", "groups", "prompts")
 
-    @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_groups"))
+    @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_groups"), concurrent=True)
     async def generate(self, prompts: list[Prompt]) -> PackedGroups:
         """``group_size`` completions of each prompt (one engine call or one request per prompt,
         by ``engine_mode``).
@@ -274,7 +325,10 @@ class Policy(ForgeActor):
         record_metric("policy/tokens", sum(int(c.token_ids.numel()) for group in outputs for c in group), "sum")
         return PackedGroups.pack(prompts, outputs, self.engine.version)
 
-    @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, key=lambda r: r.settings, debatch="unpack_groups"))
+    @endpoint(
+        batch=Batching(max_size=256, max_wait_s=0.002, key=lambda r: r.settings, debatch="unpack_groups"),
+        concurrent=True,
+    )
     async def sample(self, requests: list[SampleRequest]) -> PackedGroups:
         """``n`` completions of each request's prompt at its own settings (one engine call; a
         batch holds requests of equal ``(n, temperature, max_tokens)``): held-out evaluation
@@ -297,7 +351,7 @@ class Policy(ForgeActor):
         """``generate_turn``'s debatch: the packed batch -> one ``TurnResult`` per caller."""
         return _unpacked(packed, n, "Policy.generate_turn", "turns", "requests")
 
-    @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_turns"))
+    @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_turns"), concurrent=True)
     async def generate_turn(self, requests: list[TurnRequest]) -> PackedTurns:
         """One sample (``max_tokens`` at most) per multi-turn request, from its token history.
 
@@ -305,13 +359,7 @@ class Policy(ForgeActor):
         the part of it that this replica computed on an earlier turn is not computed again.
         """
         samples = [group[0] for group in await self._sample([r.history_ids for r in requests], 1, "policy/turn_batch")]
-        return PackedTurns.build(
-            token_ids=[c.token_ids for c in samples],
-            logprobs=[c.logprobs for c in samples],
-            texts=[c.text for c in samples],
-            finish_reasons=[c.finish_reason for c in samples],
-            policy_version=self.engine.version,
-        )
+        return PackedTurns.of(samples, self.engine.version)
 
     async def _sample(
         self,
@@ -332,23 +380,39 @@ class Policy(ForgeActor):
         cfg = self.config
         t0 = time.perf_counter()
         named = {} if adapter is None else {"adapter": adapter}
-        outputs = await _settle(
-            self.engine.generate(
-                inputs,
-                n=n,
-                temperature=cfg.temperature if temperature is None else temperature,
-                max_tokens=cfg.max_tokens if max_tokens is None else max_tokens,
-                top_p=cfg.top_p,
-                stop=cfg.stop,
-                stop_token_ids=list(cfg.stop_token_ids),
-                seed=seed,
-                **named,
+        # The batched engine steps with the event loop free between steps: an in-flight update
+        # lands there (drain: update_weights waits for _drained first).
+        generate = getattr(self.engine, "generate_async", self.engine.generate)
+        with self._in_flight():
+            outputs = await _settle(
+                generate(
+                    inputs,
+                    n=n,
+                    temperature=cfg.temperature if temperature is None else temperature,
+                    max_tokens=cfg.max_tokens if max_tokens is None else max_tokens,
+                    top_p=cfg.top_p,
+                    stop=cfg.stop,
+                    stop_token_ids=list(cfg.stop_token_ids),
+                    seed=seed,
+                    **named,
+                )
             )
-        )
         seconds = time.perf_counter() - t0
         record_metric(batch_metric, len(inputs))
         record_metric("policy/generate_s", seconds, "sum")
         return outputs
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Any:
+        """Counts a generation in flight, for a draining update to wait on."""
+        self._generating += 1
+        self._drained.clear()
+        try:
+            yield
+        finally:
+            self._generating -= 1
+            if self._generating == 0:
+                self._drained.set()
 
     def sample_seeds(self, prompts: list[Prompt], version: int) -> list[int] | None:
         """Each prompt's sampling seed on weights ``version`` with ``prompt_seeds``, else None."""
@@ -389,7 +453,10 @@ class Policy(ForgeActor):
         ``PolicyConfig.weights_dir`` set, a path outside that folder is ``UnsafeWeightFolder``:
         the policy serves only what its own run's trainer wrote. Returns ``version``.
         """
-        t0 = time.perf_counter()
+        t0, arrived = time.perf_counter(), time.monotonic()
+        if self.config.weight_updates == "drain":  # no sequence spans two versions
+            await self._drained.wait()
+        keep = {"keep_kv": True} if self.config.keep_kv_on_update else {}
         if self._adapters is not None:  # LoRA: an adapter folder, or its tensors to write as one
             self.engine.update_adapter(self._adapters.receive(state_dict, version), version)
             self._adapters.loaded()
@@ -401,12 +468,24 @@ class Policy(ForgeActor):
                 check_weight_file(state_dict, self.config.weights_dir)
             # Mapped, not copied; the trainer does not rewrite the file until the load is done.
             with read_weights(state_dict, version) as mapped:
-                await _settle(self.engine.update_weights(mapped, version))
+                await _settle(self.engine.update_weights(mapped, version, **keep))
         else:
-            await _settle(self.engine.update_weights(state_dict, version))
+            await _settle(self.engine.update_weights(state_dict, version, **keep))
         seconds = time.perf_counter() - t0
         record_metric("policy/update_weights_s", seconds, "sum")
+        self._updates = [*self._updates[-99:], (arrived, time.monotonic(), version)]
         return version
+
+    @endpoint
+    async def update_times(self) -> list[tuple[float, float, int]]:
+        """The replica's last 100 updates: when each arrived and when its weights were loaded
+        (``time.monotonic()``, one clock for every process of a host), and its version."""
+        return list(self._updates)
+
+    @endpoint
+    async def in_flight(self) -> int:
+        """How many sampling calls (batches) the replica is generating now."""
+        return self._generating
 
     @endpoint
     async def version(self) -> int:
@@ -429,6 +508,13 @@ class Policy(ForgeActor):
             self.engine = None
         if self._adapters is not None:
             self._adapters.close()
+
+
+def _oldest(token_versions: torch.Tensor | None, otherwise: int) -> int:
+    """The version of the oldest token (``otherwise`` without any)."""
+    if token_versions is None or token_versions.numel() == 0:
+        return otherwise
+    return int(token_versions.min())
 
 
 def _unpacked(packed: Any, n: int, endpoint_name: str, items: str, callers: str) -> list[Any]:

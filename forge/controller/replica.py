@@ -90,6 +90,9 @@ class Replica:
         self.last_progress = time.monotonic()  # last answer of any kind from the replica
         self._calls: set[asyncio.Task] = set()  # tasks awaiting this replica's answers
         self._in_flight = 0
+        self.version: int | None = None
+        """The version it serves (of weights, say), as the service recorded it; None: not known.
+        Version-aware routers read it (``forge.controller.versions``)."""
 
     # ----------------------------------------------------------- identity
     @property
@@ -190,21 +193,25 @@ class Replica:
         if self.on_failure is not None:
             self.on_failure(self)
 
-    async def restart(self, resync: Callable[[Any], Awaitable[None]] | None = None) -> None:
+    async def restart(self, resync: Callable[[Any], Awaitable[Any]] | None = None) -> None:
         """Replace the processes with a new generation; it takes traffic once ``resync`` is done.
 
         ``await resync(actor_mesh)`` brings the new generation to the service's current state
         (e.g. the weight version) while the replica is RECOVERING, so no request reaches it
-        before that. If the start or the resync fails, the replica is FAILED and the error
-        raised; the caller decides whether to try again.
+        before that; an int it returns is the version the replica then serves (``version``).
+        If the start or the resync fails, the replica is FAILED and the error raised; the caller
+        decides whether to try again.
         """
         await self.stop(ReplicaFailed(f"replica {self.replica_id} is restarting"))
         self.generation += 1
         self.restarts += 1
+        self.version = None
         try:
             await self.start(take_traffic=False)
             if resync is not None:
-                await resync(self.actor_mesh)
+                loaded = await resync(self.actor_mesh)
+                if isinstance(loaded, int) and not isinstance(loaded, bool):
+                    self.version = loaded  # what the resync brought it to
         except Exception:
             self.state = ReplicaState.FAILED
             raise

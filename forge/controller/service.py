@@ -123,7 +123,7 @@ class Service:
         self._fault_listener = self._on_mesh_failure
         self._loop: asyncio.AbstractEventLoop | None = None
         self._context = contextvars.copy_context()
-        self._resync: Callable[[Any], Awaitable[None]] | None = None
+        self._resync: Callable[[Any], Awaitable[Any]] | None = None
         self._recoveries: dict[int, asyncio.Task] = {}
         self._health_task: asyncio.Task | None = None
         self._capacity_changed: asyncio.Condition | None = None
@@ -164,13 +164,21 @@ class Service:
         remove_fault_listener(self._fault_listener)
         await self._notify_capacity()
 
-    def set_resync(self, resync: Callable[[Any], Awaitable[None]] | None) -> None:
+    def set_resync(self, resync: Callable[[Any], Awaitable[Any]] | None) -> None:
         """``await resync(actor_mesh)`` runs on a restarted replica before it takes traffic,
         so that it rejoins at the service's current state (e.g. the current weight version).
-        It may call the replica's endpoints: ``await actor_mesh.load.call(state)``."""
+        It may call the replica's endpoints: ``await actor_mesh.load.call(state)``; an int it
+        returns is the version the replica serves then (``record_version``)."""
         if resync is not None and not callable(resync):
             raise TypeError(f"set_resync needs an async callable taking the replica's actor mesh, got {resync!r}")
         self._resync = resync
+
+    def record_version(self, replica: Replica, version: int) -> None:
+        """``replica`` serves ``version`` now (its caller loaded it there): version-aware routers
+        (``forge.controller.versions.NewestVersion``) prefer the replicas on the newest one."""
+        if replica not in self.replicas:
+            raise ValueError(f"replica {replica.replica_id} is not one of service {self.name}'s")
+        replica.version = version
 
     def add_replica_listener(self, listener: Callable[[], None]) -> None:
         """``listener()`` runs on the service's loop whenever a replica fails and whenever one is

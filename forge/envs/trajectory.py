@@ -30,7 +30,8 @@ class Trajectory:
     segments: list[torch.Tensor] = field(default_factory=list)  # int64, in order
     sampled: list[bool] = field(default_factory=list)  # per segment: the policy's (True) or the env's
     logprobs: list[torch.Tensor] = field(default_factory=list)  # per segment, zeros for the env's
-    turn_versions: list[int] = field(default_factory=list)  # the policy version of each turn
+    turn_versions: list[int] = field(default_factory=list)  # the policy version of each turn (its oldest token's)
+    versions: list[torch.Tensor] = field(default_factory=list)  # per segment: each token's version, -1 for the env's
     rewards: list[float] = field(default_factory=list)  # per environment step
     done: bool = False
     _length: int = 0
@@ -62,19 +63,24 @@ class Trajectory:
                 f"session {self.session!r}: a turn needs one logprob per sampled token, "
                 f"got ids {tuple(ids.shape)} and logprobs {tuple(logprobs.shape)}"
             )
-        self._append(ids, logprobs, sampled=True)
+        stamps = turn.token_versions
+        if stamps is None:
+            stamps = torch.full(ids.shape, int(turn.policy_version), dtype=torch.long)
+        self._append(ids, logprobs, sampled=True, versions=stamps.long())
         self.turn_versions.append(int(turn.policy_version))
 
     def add_observation(self, ids: torch.Tensor, reward: float, done: bool) -> None:
         """Append the environment's answer (left out of the loss) and its reward."""
         ids = ids.long()
         if ids.numel():
-            self._append(ids, torch.zeros(ids.numel(), dtype=torch.float32), sampled=False)
+            unsampled = torch.full(ids.shape, -1, dtype=torch.long)
+            self._append(ids, torch.zeros(ids.numel(), dtype=torch.float32), sampled=False, versions=unsampled)
         self.rewards.append(float(reward))
         self.done = done
 
-    def _append(self, ids: torch.Tensor, logprobs: torch.Tensor, sampled: bool) -> None:
+    def _append(self, ids: torch.Tensor, logprobs: torch.Tensor, sampled: bool, versions: torch.Tensor) -> None:
         self.segments.append(ids)
+        self.versions.append(versions)
         self.logprobs.append(logprobs)
         self.sampled.append(sampled)
         self._length += int(ids.numel())
@@ -127,4 +133,5 @@ class Trajectory:
             advantage=float(advantage),
             policy_version=self.policy_version,
             loss_mask=self.loss_mask,
+            token_versions=torch.cat(self.versions) if self.versions else torch.zeros(0, dtype=torch.long),
         )

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from forge.generation.engine_steps import EngineSteps, SampleVersions
 from forge.generation.lora import AdapterSlots, ServedAdapter, check_serves_lora, lora_engine_kwargs
 from forge.generation.module_scan import without_context_proxies
 from forge.generation.weight_sync import TIED_HEAD, checkpoint_spec, checkpoint_ties_embeddings, validate_state_dict
@@ -97,6 +98,8 @@ class VllmEngine:
         self._in_process = in_process
         self._version = 0
         self._adapters = AdapterSlots()  # with enable_lora: the adapter each generate runs on
+        self.steps = EngineSteps(llm.llm_engine)
+        """The step loop every generate runs on (``forge.generation.engine_steps``)."""
 
     @classmethod
     def create(
@@ -190,31 +193,85 @@ class VllmEngine:
         ``load_adapter``) samples with that adapter and stamps its version, instead of the one
         ``update_adapter`` serves: a policy serving many runs' adapters names one per call.
         """
-        params = sampling_params(len(prompts), n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)
         if not prompts:
+            sampling_params(0, n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)  # checks the settings
             return []
+        ids = self._add(prompts, n, temperature, max_tokens, top_p, stop, stop_token_ids, seed, adapter)
+        return self._completions(self.steps.run(ids), stop)
+
+    async def generate_async(
+        self,
+        prompts: Prompts,
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        seed: int | list[int] | None = None,
+        adapter: ServedAdapter | None = None,
+    ) -> list[list[Completion]]:
+        """``generate``, yielding to the event loop after every engine step: an
+        ``update_weights`` from another task lands between two steps, and the sequences in
+        flight continue on the new weights, each token stamped with the version that sampled it
+        (``Completion.token_versions``). Calls made meanwhile join the running batch."""
+        if not prompts:
+            sampling_params(0, n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)
+            return []
+        ids = self._add(prompts, n, temperature, max_tokens, top_p, stop, stop_token_ids, seed, adapter)
+        return self._completions(await self.steps.run_async(ids), stop)
+
+    def _add(
+        self,
+        prompts: Prompts,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        top_p: float,
+        stop: list[str] | None,
+        stop_token_ids: list[int] | None,
+        seed: int | list[int] | None,
+        adapter: ServedAdapter | None,
+    ) -> list[str]:
+        params = sampling_params(len(prompts), n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)
         inputs = token_prompts(prompts, self._tokenizer)
         lora, version = (
             (self._adapters.current, self._version) if adapter is None else (adapter.request, adapter.version)
         )
-        outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=lora)
-        return to_completions(outputs, version, decode_with=None if stop else self._tokenizer)
+        return self.steps.add(inputs, params, version, lora)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def _completions(
+        self, finished: list[tuple[Any, list[SampleVersions]]], stop: list[str] | None
+    ) -> list[list[Completion]]:
+        outputs = [out for out, _ in finished]
+        return to_completions(
+            outputs,
+            token_versions=[versions for _, versions in finished],
+            decode_with=None if stop else self._tokenizer,
+        )
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, *, keep_kv: bool = False) -> None:
         """Load new weights in place and record their policy ``version``.
 
         ``state_dict`` holds checkpoint-format names (as HF ``state_dict()``); it is validated
         before anything reaches vLLM, so a bad one raises ``ValueError`` naming the key and
-        leaves the engine on its old weights. Then the prefix cache is cleared.
+        leaves the engine on its old weights. Called between the steps of a ``generate_async``
+        in flight, the sequences continue on the new weights and their next tokens are
+        ``version``'s. ``keep_kv=False``: no KV computed with the old weights is used again
+        (the prefix cache is cleared and the sequences in flight are preempted, so vLLM
+        recomputes their KV on the new weights); ``keep_kv=True`` keeps every KV block, the
+        running sequences' and the prefix cache's: cheaper, and the KV is the old weights'.
         """
         weights = checked_weights(state_dict, version, self._weight_spec, self._tied)
         if self._in_process:
             self.llm.collective_rpc("forge_load_state_dict", args=(weights,))
         else:
             self.llm.collective_rpc("forge_load_safetensors", args=(safetensors_blob(weights),))
-        if not self.llm.reset_prefix_cache():
+        if not keep_kv and not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=self.steps.busy):
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self._version = version
+        self.steps.mark(version)
 
     def update_adapter(self, folder: str | os.PathLike, version: int) -> None:
         """Serve the LoRA adapter in ``folder`` (PEFT's format) as ``version``, beside the base.
@@ -376,12 +433,13 @@ def token_prompts(prompts: Prompts, tokenizer: Any) -> list[Any]:
 
 
 def to_completions(
-    outputs: Sequence[RequestOutput], version: int, *, decode_with: Any | None
+    outputs: Sequence[RequestOutput], token_versions: int | list[list[SampleVersions]], *, decode_with: Any | None
 ) -> list[list[Completion]]:
     """One list of ``Completion``s (in sample order) per vLLM ``RequestOutput``.
 
-    ``decode_with``: the tokenizer that decodes every sample's text in one call when vLLM did
-    not detokenise (``detokenize=False``); None takes vLLM's text.
+    ``token_versions``: the version of every sampled token (per output, per sample in order),
+    or one version that sampled them all. ``decode_with``: the tokenizer that decodes every
+    sample's text in one call when vLLM did not detokenise (``detokenize=False``); None takes vLLM's text.
     """
     samples = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
     flat = [s for group in samples for s in group]
@@ -391,19 +449,23 @@ def to_completions(
         texts = decode_with.batch_decode([list(s.token_ids) for s in flat], skip_special_tokens=True)
     completions: list[list[Completion]] = []
     k = 0
-    for out, group in zip(outputs, samples):
+    for i, (out, group) in enumerate(zip(outputs, samples)):
         prompt_ids = torch.tensor(out.prompt_token_ids, dtype=torch.long)
         row = []
-        for sample in group:
+        for j, sample in enumerate(group):
             token_ids = list(sample.token_ids)
+            stamps = SampleVersions(token_versions) if isinstance(token_versions, int) else token_versions[i][j]
+            versions = stamps.per_token(len(token_ids))
             row.append(
                 Completion(
                     prompt_ids=prompt_ids,
                     token_ids=torch.tensor(token_ids, dtype=torch.long),
                     logprobs=torch.tensor(_sampled_logprobs(sample, token_ids, out.request_id), dtype=torch.float32),
                     text=texts[k],
-                    policy_version=version,
+                    # The oldest token's: what max_policy_age and the buffer go by.
+                    policy_version=stamps.oldest(len(token_ids)),
                     finish_reason=str(sample.finish_reason),
+                    token_versions=versions,
                 )
             )
             k += 1

@@ -73,6 +73,29 @@ def test_app_learns_reward_rises_from_an_on_policy_first_step(tmp_path: Path) ->
     assert late_kl > max(0.3, 3 * late_mismatch), [(round(r["kl"], 3), round(r["mismatch_mean"], 3)) for r in rows]
 
 
+def test_a_run_with_in_flight_weight_updates_logs_each_tokens_age_within_max_policy_age(tmp_path: Path) -> None:
+    """weight_sync.mode=in_flight: the policy takes each update between engine steps; the run
+    completes with one version a step, and the age of every trained token (policy/token_age_*)
+    is logged and bounded by max_policy_age, which goes by a sequence's oldest token."""
+    code, out, err = _finish(_app(tmp_path, "steps=5", "weight_sync.mode=in_flight", "max_policy_age=1"))
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == list(range(1, 6))
+    assert all(0 <= r["policy/token_age_mean"] <= r["policy/token_age_max"] <= 1 for r in rows), rows
+    assert all(0 <= r["policy/spanning_fraction"] <= 1 for r in rows), rows
+
+
+def test_a_rolling_run_over_two_policy_replicas_completes_with_one_version_a_step(tmp_path: Path) -> None:
+    """weight_sync.mode=rolling with two policy replicas, one loading at a time: the run completes
+    with one version a step, and no trained sequence spans two versions (each replica drains)."""
+    overrides = ("steps=4", "weight_sync.mode=rolling", "weight_sync.max_updating=1", "policy.num_replicas=2")
+    code, out, err = _finish(_app(tmp_path, *overrides))
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == list(range(1, 5))
+    assert all(r["policy/spanning_fraction"] == 0.0 for r in rows), rows
+
+
 def test_role_failure_stops_the_run_with_a_clear_message(tmp_path: Path) -> None:
     """The reward process dying mid-run, with no restart allowed (faults.max_restarts=0), ends the
     app at once, exit code != 0, naming the role (restarts: tests/integration/test_grpo_faults.py):

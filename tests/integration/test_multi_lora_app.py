@@ -250,7 +250,8 @@ def test_a_run_evaluates_through_its_adapter_while_a_multi_turn_run_trains_besid
 
 def test_a_dead_trainer_is_replaced_from_its_runs_checkpoint_and_the_job_resumes_each_run(tmp_path: Path) -> None:
     """Every run checkpoints every 2 steps. SIGKILL of run b's trainer after its step 3: a new
-    trainer loads b's step-2 checkpoint, every replica serves b's adapter at version 2 again
+    trainer loads b's newest checkpoint (step 2, or 4 if b got there first), every replica serves
+    b's adapter at that version again
     (its catalog's version; the logprobs of a probe sampled with it equal the trainer's), b
     trains steps 3..6 again and the job exits 0, run a untouched. Then the same job with
     steps=8 and --resume: each run continues from its own step-6 checkpoint, steps 7 and 8
@@ -276,8 +277,10 @@ def test_a_dead_trainer_is_replaced_from_its_runs_checkpoint_and_the_job_resumes
     rows = _rows(tmp_path, "b")
     assert [r["step"] for r in rows] == list(range(1, 7)) and [r["policy_version"] for r in rows] == list(range(1, 7))
     (restored,) = [r for r in rows if "weight_sync/restore/policy0_version" in r]
-    assert restored["step"] == 3 and restored["restarts/trainer"] == 1, restored
-    assert restored["weight_sync/restore/policy0_version"] == 2, restored
+    # Killed after step 3 was logged (b may have logged another step or two before the death was
+    # seen): the first step after b's newest checkpoint, which every replica serves again.
+    assert restored["step"] in (3, 5) and restored["restarts/trainer"] == 1, restored
+    assert restored["weight_sync/restore/policy0_version"] == restored["step"] - 1, restored
     assert restored["weight_sync/restore/policy0_logprob_gap"] <= 1e-3, restored
     assert [r["step"] for r in _rows(tmp_path, "a")] == list(range(1, 7))
 

@@ -354,3 +354,136 @@ async def test_policy_service_in_async_mode_generates_groups_and_updates_weights
         assert group.policy_version == 1
     finally:
         await policy.shutdown()
+
+
+async def _update_mid_generation(
+    engine: VllmEngine, weights: dict[str, torch.Tensor], after_steps: int, keep_kv: bool
+) -> list[Completion]:
+    """Sample 4 prompts x 4 on version 0 with ``generate_async``; after ``after_steps`` engine
+    steps, another task loads ``weights`` as version 1 while the sequences are in flight."""
+    steps = engine.steps
+    steps.step_times.clear()
+    steps.record_steps = True
+
+    async def update() -> None:
+        while len(steps.step_times) < after_steps:
+            await asyncio.sleep(0)  # runs between two engine steps
+        engine.update_weights(weights, 1, keep_kv=keep_kv)
+
+    try:
+        groups, _ = await asyncio.wait_for(
+            asyncio.gather(engine.generate_async(PROMPTS[:4], n=4, temperature=1.0, max_tokens=40, seed=3), update()),
+            120,
+        )
+    finally:
+        steps.record_steps = False
+    return _flat(groups)
+
+
+@pytest.mark.parametrize("keep_kv", [False, True])
+async def test_a_sequence_in_flight_continues_on_new_weights_with_each_tokens_version_and_logprob(
+    batched_engine: VllmEngine,
+    hf_model: torch.nn.Module,
+    hf_model_alt: torch.nn.Module,
+    tiny_model_dir: Path,
+    tiny_model_dir_alt: Path,
+    keep_kv: bool,
+) -> None:
+    """An update between two engine steps: every sequence started on version 0 goes on with
+    version 1's weights. Its first tokens are version 0's (logprobs of the seed-0 model), the rest
+    version 1's; without keep_kv their logprobs are the seed-1 model's on the whole prefix (the KV
+    was recomputed); with keep_kv they are not (the prefix's KV is the old weights')."""
+    after = 5
+    try:
+        flat = await _update_mid_generation(
+            batched_engine, load_file(str(tiny_model_dir_alt / "model.safetensors")), after, keep_kv
+        )
+    finally:
+        batched_engine.update_weights(load_file(str(tiny_model_dir / "model.safetensors")), 0)
+    spanning = [c for c in flat if c.token_ids.numel() > after]
+    assert len(spanning) >= 4, [c.token_ids.numel() for c in flat]  # the update landed mid-sequence
+    for c in flat:
+        n = c.token_ids.numel()
+        assert c.token_versions.tolist() == [0] * min(n, after) + [1] * max(n - after, 0), c.token_versions
+        assert c.policy_version == (0 if n else 1)
+    old = sequence_logprobs(hf_model, [c.prompt_ids for c in spanning], [c.token_ids for c in spanning])
+    new = sequence_logprobs(hf_model_alt, [c.prompt_ids for c in spanning], [c.token_ids for c in spanning])
+    got = torch.cat([c.logprobs[:after] for c in spanning])
+    assert_close_to_scale(got, torch.cat([o[:after] for o in old]), rel=1e-3, scale=1.0, what="tokens before")
+    got, want = torch.cat([c.logprobs[after:] for c in spanning]), torch.cat([w[after:] for w in new])
+    if keep_kv:
+        assert float((got - want).abs().max()) > 1e-2, "kept KV of the old weights changed nothing"
+    else:
+        assert_close_to_scale(got, want, rel=1e-3, scale=1.0, what="tokens after the update")
+    # Neither version's logprobs fit the whole sequence: it really spans both.
+    assert float((torch.cat([c.logprobs for c in spanning]) - torch.cat(old)).abs().max()) > 1e-2
+
+
+async def test_a_batch_added_mid_generation_joins_the_running_one(batched_engine: VllmEngine) -> None:
+    """Two generate_async calls, the second made while the first runs: each gets its own prompts'
+    samples (greedy: what generate alone gives), and the engine ran them side by side, in fewer
+    steps than the two would take one after the other."""
+    steps = batched_engine.steps
+    alone = [
+        [c.token_ids.tolist() for c in g]
+        for g in batched_engine.generate(PROMPTS[:4], n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    ]
+    steps.step_times.clear()
+    steps.record_steps = True
+
+    async def later() -> list[list[Completion]]:
+        while len(steps.step_times) < 2:
+            await asyncio.sleep(0)
+        return await batched_engine.generate_async(PROMPTS[2:4], n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+
+    try:
+        first, second = await asyncio.gather(
+            batched_engine.generate_async(PROMPTS[:2], n=1, temperature=0.0, max_tokens=MAX_TOKENS), later()
+        )
+    finally:
+        steps.record_steps = False
+    assert [[c.token_ids.tolist() for c in g] for g in first + second] == alone
+    longest = max(len(t) for g in alone for t in g)
+    assert len(steps.step_times) < longest + 4, (len(steps.step_times), longest)
+    assert not steps.busy
+
+
+@pytest.mark.parametrize("weight_updates", ["drain", "in_flight"])
+async def test_a_policy_replica_takes_an_update_while_it_generates_as_its_mode_says(
+    tiny_model_dir: Path, tiny_model_dir_alt: Path, weight_updates: str
+) -> None:
+    """An update reaches a replica in the middle of a batch. ``drain``: it waits, every token of
+    the batch is version 0's; ``in_flight``: it lands at once, and sequences still running go on
+    with version 1's tokens (versions never go back; a completion's version is its oldest token's)."""
+    from forge.actors.policy import Policy, PolicyConfig
+    from forge.types import Prompt
+
+    config = PolicyConfig(
+        model_path=str(tiny_model_dir), group_size=4, max_tokens=200, max_model_len=256, weight_updates=weight_updates
+    )
+    policy = await Policy.options(env={"OMP_NUM_THREADS": "1"}).as_service(config)
+    try:
+        prompts = [Prompt(prompt_id=str(i), text=f"{i}{i}=", answer="") for i in range(8)]
+        pending = [asyncio.ensure_future(policy.generate.route(p)) for p in prompts]
+        for _ in range(3000):  # until the batch is generating (10 ms polls, 30 s at most)
+            if (await policy.in_flight.fanout()) != [0]:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            pytest.fail("the batch never started")
+        assert await asyncio.wait_for(
+            policy.update_weights.fanout(str(tiny_model_dir_alt / "model.safetensors"), 1), 120
+        ) == [1]
+        groups = await asyncio.wait_for(asyncio.gather(*pending), 120)
+        completions = [c for g in groups for c in g.completions]
+        versions = [c.token_versions.tolist() for c in completions]
+        assert all(v == sorted(v) and set(v) <= {0, 1} for v in versions), versions
+        assert all(c.policy_version == (min(v) if v else c.policy_version) for c, v in zip(completions, versions))
+        spanning = [v for v in versions if len(set(v)) == 2]
+        if weight_updates == "drain":
+            assert all(set(v) <= {0} for v in versions), versions
+        else:
+            assert spanning, [len(v) for v in versions]
+        assert (await policy.generate.route(prompts[0])).token_versions.unique().tolist() == [1]
+    finally:
+        await policy.shutdown()

@@ -531,3 +531,34 @@ def test_a_plain_group_packs_as_the_policy_would_and_an_empty_one_packs_empty():
     assert PackedGroup.of(packed) is packed
     empty = PackedGroup.of(Group(prompt, []))
     assert len(empty) == 0 and empty.token_ids.numel() == 0 and empty.completions == []
+
+
+def test_bad_weight_update_settings_fail_naming_the_value_and_what_is_expected() -> None:
+    """A mode that does not exist, in-flight updates on an engine or with a trainer that cannot
+    take them, and keep_kv_on_update on the async engine: each a ValueError saying why."""
+    from apps.grpo.config import GRPOConfig
+    from forge.actors.policy import PolicyConfig, PolicySettings
+    from forge.config import load_config
+    from forge.models.lora import LoraSettings
+
+    with pytest.raises(ValueError, match=r"weight_updates must be one of \('drain', 'in_flight'\), got 'rolling'"):
+        PolicyConfig(model_path="m", weight_updates="rolling")
+    with pytest.raises(
+        ValueError, match="in-flight weight updates need engine_mode 'batched'.*got engine_mode 'async'"
+    ):
+        PolicyConfig(model_path="m", weight_updates="in_flight", engine_mode="async")
+    with pytest.raises(ValueError, match="and a LoRA trainer"):
+        PolicyConfig(model_path="m", weight_updates="in_flight", lora=LoraSettings(rank=8))
+    with pytest.raises(ValueError, match="keep_kv_on_update needs engine_mode 'batched'"):
+        PolicySettings(keep_kv_on_update=True, engine_mode="async")
+    with pytest.raises(
+        ValueError, match=r"weight_sync.mode must be one of \('drain', 'in_flight', 'rolling'\), got 'x'"
+    ):
+        load_config(GRPOConfig, "configs/grpo_tiny.yaml", ["weight_sync.mode=x"])
+    for replicas, updating in ((2, 0), (2, 2), (1, 1)):
+        with pytest.raises(ValueError, match=f"fewer than policy.num_replicas \\({replicas}\\).*got {updating}"):
+            load_config(
+                GRPOConfig,
+                "configs/grpo_tiny.yaml",
+                ["weight_sync.mode=rolling", f"weight_sync.max_updating={updating}", f"policy.num_replicas={replicas}"],
+            )

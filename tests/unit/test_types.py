@@ -140,7 +140,8 @@ def test_made_groups_give_each_order_its_own_group_or_error():
 
 
 def _completions(version: int, lens: list[int], base: int) -> list[Completion]:
-    """Completions of one prompt, each with its own tokens, logprobs, text and finish reason."""
+    """Completions of one prompt, each with its own tokens, logprobs, text, finish reason and
+    token versions (the first token ``version``'s, the rest the next version's)."""
     prompt_ids = torch.arange(base, base + 3)
     return [
         Completion(
@@ -150,6 +151,7 @@ def _completions(version: int, lens: list[int], base: int) -> list[Completion]:
             f"text {base} {j}",
             version,
             "length" if (j + base // 1000) % 2 else "stop",
+            version + (torch.arange(n) >= 1).long(),  # an update landed after the first token
         )
         for j, n in enumerate(lens)
     ]
@@ -172,12 +174,14 @@ def test_policy_groups_reach_each_caller_with_their_own_completions():
 
 
 def test_a_plain_group_packs_into_its_own_fields():
-    """PackedGroup.of(Group) and back to completions keeps each completion's fields; its version is the oldest."""
+    """PackedGroup.of(Group) and back to completions keeps each completion's fields and versions
+    (one without token versions gets its own version on every token); the group's is the oldest."""
     completions = _completions(9, [2, 3, 1], 3000)
-    completions[1].policy_version = 8
+    completions[1].policy_version, completions[1].token_versions = 8, None
     packed = _wire(PackedGroup.of(Group(_prompt(3), completions)))
     assert packed.policy_version == 8 and packed.response_lens == [2, 3, 1]
-    _same(packed.completions, [dataclasses.replace(c, policy_version=8) for c in completions], "completions")
+    completions[1].token_versions = torch.full((3,), 8)
+    _same(packed.completions, completions, "completions")
 
 
 def test_turns_reach_each_caller_with_their_own_tokens_and_logprobs():
@@ -236,6 +240,7 @@ def test_a_scored_group_puts_reference_behaviour_rewards_and_advantages_in_their
             advantage=float(advantages[j]),
             policy_version=6,
             finish_reason=c.finish_reason,
+            token_versions=c.token_versions,
         )
         for j, (c, r) in enumerate(zip(completions, torch.split(ref, [2, 1, 3])))
     ]
@@ -264,8 +269,44 @@ def test_a_trajectory_becomes_an_episode_with_each_field_in_place():
         advantage=-2.0,
         policy_version=4,
         loss_mask=torch.tensor([True, True, False, True]),
+        token_versions=torch.tensor([5, 5, -1, 4]),  # each sampled token its turn's version; -1: the env's
     )
     _same(traj.to_episode("g", ref, -2.0), want, "episode")
+
+
+def test_token_ages_count_each_sampled_token_and_the_episodes_that_span_versions():
+    """EpisodeBatch.token_ages at version 10: ages of the sampled tokens only (not an env's -1, not
+    masked ones), their max, and the share of episodes whose tokens span versions."""
+    episodes = [
+        Episode(
+            "g",
+            torch.tensor([1]),
+            torch.tensor([5, 6, 7]),
+            torch.zeros(3),
+            torch.zeros(3),
+            0.0,
+            0.0,
+            7,
+            token_versions=torch.tensor([7, 8, 8]),
+        ),
+        Episode(
+            "g",
+            torch.tensor([1]),
+            torch.tensor([5, 6, 7]),
+            torch.zeros(3),
+            torch.zeros(3),
+            0.0,
+            0.0,
+            9,
+            loss_mask=torch.tensor([True, False, True]),
+            token_versions=torch.tensor([9, -1, 9]),
+        ),
+    ]
+    ages = EpisodeBatch.pack(episodes).token_ages(10)
+    want = {"token_age_mean": (3 + 2 + 2 + 1 + 1) / 5, "token_age_max": 3.0, "spanning_fraction": 0.5}
+    assert ages == pytest.approx(want, rel=1e-6)
+    plain = EpisodeBatch.pack([dataclasses.replace(e, token_versions=None, loss_mask=None) for e in episodes])
+    assert plain.token_ages(10) == {"token_age_mean": 2.0, "token_age_max": 3.0, "spanning_fraction": 0.0}
 
 
 def test_sft_examples_cross_with_prompt_and_answer_apart():

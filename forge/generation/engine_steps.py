@@ -1,0 +1,164 @@
+"""``EngineSteps``: an in-process vLLM engine driven one step at a time, each token's version known.
+
+``vllm.LLM.generate`` adds its requests and steps the engine until they finish, and nothing else
+can happen meanwhile. Driving the same loop here, an engine step at a time, does two things:
+
+- **Weights can change between two steps** (``VllmEngine.update_weights`` from another task of
+  the event loop, while ``generate_async`` yields after each step). A sequence then continues on
+  the new weights; since a step is synchronous and an update runs only between steps, the
+  tokens of every step were sampled with exactly one version.
+- **Every sampled token carries that version.** Outputs stay ``FINAL_ONLY`` (no per-step
+  output objects, so the loop costs what ``LLM.generate``'s does); at each update this records,
+  per live sample, how many tokens it had (``mark``), and a finished sample's token versions are
+  cut from those marks.
+
+Concurrent callers share the engine: whoever steps it delivers every request's final output,
+so a batch that arrives while another is generating joins the running one (vLLM batches them
+at each step). Not thread-safe: one event loop, one thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm import RequestOutput
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+__all__ = ["EngineSteps", "SampleVersions"]
+
+
+@dataclass
+class SampleVersions:
+    """When one sample's version changed: ``(tokens it had, the version after)``, in order."""
+
+    start: int
+    """The version when the request was added."""
+    marks: list[tuple[int, int]] = field(default_factory=list)
+
+    def per_token(self, num_tokens: int) -> torch.Tensor:
+        """int64 ``[num_tokens]``: the version that sampled each token."""
+        versions = torch.full((num_tokens,), self.start, dtype=torch.long)
+        for tokens_before, version in self.marks:
+            versions[tokens_before:] = version
+        return versions
+
+    def oldest(self, num_tokens: int) -> int:
+        """The version of the first of ``num_tokens`` tokens (with none: the version now)."""
+        version = self.start
+        for tokens_before, later in self.marks:  # in order; tokens_before never decreases
+            if num_tokens and tokens_before > 0:
+                break
+            version = later
+        return version
+
+
+class EngineSteps:
+    """Adds requests to one in-process ``LLMEngine`` and steps it until they finish."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._ids = itertools.count()
+        self._finished: dict[str, RequestOutput] = {}
+        self._versions: dict[tuple[str, int], SampleVersions] = {}
+        self._live: dict[str, int] = {}  # request id -> its samples (n)
+        self.step_times: list[float] = []
+        """``time.monotonic()`` at the end of every engine step that ran (the engine's own token
+        timestamps: each step samples one token of every running sequence). Cleared by the caller."""
+        self.record_steps = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is in the engine (running or waiting)."""
+        return bool(self._live)
+
+    def add(self, inputs: Sequence[Any], params: Any, version: int, lora: Any = None) -> list[str]:
+        """Add one request per input (``params``: one ``SamplingParams`` or one per input); their ids."""
+        per_input = params if isinstance(params, list) else [params] * len(inputs)
+        ids: list[str] = []
+        try:
+            for prompt, sampling in zip(inputs, per_input):
+                request_id = f"forge-{next(self._ids)}"
+                self._engine.add_request(request_id, prompt, sampling, lora_request=lora)
+                self._live[request_id] = sampling.n
+                for index in range(sampling.n):
+                    self._versions[(request_id, index)] = SampleVersions(version)
+                ids.append(request_id)
+        except BaseException:  # e.g. a prompt longer than the model: none of the call's requests stays
+            self.abort(ids)
+            raise
+        return ids
+
+    def mark(self, version: int) -> None:
+        """Every live sample's tokens from now on are ``version``'s (called by an update, between steps)."""
+        counts = {
+            (state.external_req_id, state.request_index): len(state.detokenizer.output_token_ids)
+            for state in self._engine.output_processor.request_states.values()
+        }
+        for key, versions in self._versions.items():
+            versions.marks.append((counts.get(key, 0), version))
+
+    def step(self) -> None:
+        """One engine step; the outputs of requests it finished are kept for their callers."""
+        for out in self._engine.step():
+            if out.finished:
+                self._finished[out.request_id] = out
+        if self.record_steps:
+            self.step_times.append(time.monotonic())
+
+    def run(self, ids: list[str]) -> list[tuple[RequestOutput, list[SampleVersions]]]:
+        """Step until the requests ``ids`` finish (other callers' requests step along)."""
+        try:
+            while not self._done(ids):
+                self.step()
+        except BaseException:
+            self.abort(ids)
+            raise
+        return self._take(ids)
+
+    async def run_async(self, ids: list[str]) -> list[tuple[RequestOutput, list[SampleVersions]]]:
+        """As ``run``, yielding to the event loop after each step: an update from another task
+        lands between two steps. A cancelled call aborts its requests in vLLM."""
+        try:
+            while not self._done(ids):
+                self.step()
+                await asyncio.sleep(0)
+        except BaseException:
+            self.abort(ids)
+            raise
+        return self._take(ids)
+
+    def abort(self, ids: list[str]) -> None:
+        """Drop the requests ``ids`` (finished or not) and what is kept of them."""
+        running = [i for i in ids if i in self._live and i not in self._finished]
+        if running:
+            self._engine.abort_request(running)
+        self._forget(ids)
+
+    def _done(self, ids: list[str]) -> bool:
+        return all(i in self._finished for i in ids)
+
+    def _take(self, ids: list[str]) -> list[tuple[RequestOutput, list[SampleVersions]]]:
+        """Each request's final output and, per sample (by ``index``), when its version changed."""
+        out = []
+        for request_id in ids:
+            final = self._finished[request_id]
+            samples = sorted(final.outputs, key=lambda c: c.index)
+            versions = [self._versions[(request_id, s.index)] for s in samples]
+            out.append((final, versions))
+        self._forget(ids)
+        return out
+
+    def _forget(self, ids: list[str]) -> None:
+        for request_id in ids:
+            n = self._live.pop(request_id, 0)
+            self._finished.pop(request_id, None)
+            for index in range(n):
+                self._versions.pop((request_id, index), None)
