@@ -265,9 +265,14 @@ def test_killed_trainer_is_replaced_from_its_checkpoint_and_the_run_completes(tm
     once, and the run completes every step with exit 0, every group accounted for. With two ranks
     (faults.trainer_max_restarts=2) a rank of the new mesh is killed too as soon as it is up, while
     it restores: that death counts, and a third mesh restores the checkpoint."""
+    from slow_reward import OVERRIDES as SLOW_REWARD
+
     replicas, deaths = (2, 1) if procs == 1 else (1, 2)
+    # Slow rewards keep step 4 from being trained and checkpointed before the kill lands (once
+    # it was: the step-4 checkpoint was what the policy served, so no rollback could show).
     proc = _app(
         tmp_path,
+        *SLOW_REWARD,
         "trainer.checkpoint_every=2",
         f"trainer.procs={procs}",
         f"policy.num_replicas={replicas}",
