@@ -220,7 +220,7 @@ def _bare_engine_process(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from forge.generation import VllmEngine
-    from forge.generation.vllm_engine import checked_weights
+    from forge.generation.vllm_io import checked_weights
     from forge.generation.weight_sync import checkpoint_spec, checkpoint_ties_embeddings
 
     engine = VllmEngine.create(model_path, use_tqdm_on_load=False, **engine_args)

@@ -42,14 +42,13 @@ from typing import Any
 
 import torch
 
+from forge.actors.policy_batches import PackedGroups, PackedTurns
 from forge.controller import Batching, ForgeActor, endpoint
 from forge.generation.adapter_inbox import AdapterInbox
 from forge.generation.lora import serving_rank
 from forge.models.lora import LoraSettings
 from forge.observability import record_metric
-from forge.packing import Packed, per_item, per_token, shared
 from forge.types import Completion, PackedGroup, Prompt, SampleRequest, TurnRequest, TurnResult
-from forge.wire import split_for_wire
 
 __all__ = [
     "PackedGroups",
@@ -170,103 +169,6 @@ class PolicyConfig(PolicySettings):
 def prompt_key(prompt: Prompt) -> str:
     """The routing key of a prompt: its text (equal prompts meet on one replica)."""
     return prompt.text
-
-
-@dataclass
-class PackedGroups(Packed):
-    """One batch's groups in a few flat tensors, as they travel back from the replica.
-
-    Monarch serialises each tensor of a message separately, at a fixed cost per tensor: a batch
-    of 16 prompts x 8 completions as ``Completion`` objects is 384 tensors, a large share of the
-    tiny model's generation time (``docs/benchmarks.md``); packed it is three. Its items are the
-    completions, prompt after prompt (``group_sizes[i]`` of prompt ``i``: a batch of held-out
-    requests may mix greedy and sampled ones); the prompts are shared. The service unpacks it into
-    ``PackedGroup``s (the endpoint's ``debatch``), so callers of ``generate.route`` never see it.
-    """
-
-    prompts: list[Prompt] = shared()
-    group_sizes: list[int] = shared()  # completions per prompt
-    prompt_lens: list[int] = shared()  # per prompt
-    prompt_ids: torch.Tensor = shared()  # int64 [sum of prompt lengths]
-    response_lens: list[int] = per_item()  # per completion, prompt-major
-    token_ids: torch.Tensor = per_token("response_lens", torch.long)
-    logprobs: torch.Tensor = per_token("response_lens", torch.float32)
-    texts: list[str] = per_item()
-    finish_reasons: list[str] = per_item()
-    policy_version: int = shared()
-    """The version served when the batch ended."""
-    token_versions: torch.Tensor | None = per_token("response_lens", torch.long, fill=-1)
-    """The version that sampled each token (a batch may span an update)."""
-
-    @classmethod
-    def pack(cls, prompts: list[Prompt], outputs: list[list[Completion]], version: int) -> PackedGroups:
-        """``outputs[i]``: the completions of ``prompts[i]`` (at least one)."""
-        flat = [c for group in outputs for c in group]
-        return cls.build(
-            prompts=prompts,
-            group_sizes=[len(g) for g in outputs],
-            prompt_lens=[int(g[0].prompt_ids.numel()) for g in outputs],
-            prompt_ids=torch.cat([g[0].prompt_ids for g in outputs]),
-            token_ids=[c.token_ids for c in flat],
-            logprobs=[c.logprobs for c in flat],
-            texts=[c.text for c in flat],
-            finish_reasons=[c.finish_reason for c in flat],
-            policy_version=version,
-            token_versions=[c.versions() for c in flat],
-        )
-
-    def unpack(self) -> list[PackedGroup]:
-        """One ``PackedGroup`` per prompt: slices of the flat tensors, no per-completion objects."""
-        prompt_ids = split_for_wire(self.prompt_ids, self.prompt_lens)
-        groups = self.split(self.group_sizes)
-        return [
-            PackedGroup(
-                prompt,
-                prompt_ids[i],
-                g.token_ids,
-                g.logprobs,
-                g.response_lens,
-                g.texts,
-                g.finish_reasons,
-                _oldest(g.token_versions, g.policy_version),
-                g.token_versions,
-            )
-            for i, (prompt, g) in enumerate(zip(self.prompts, groups))
-        ]
-
-
-@dataclass
-class PackedTurns(Packed):
-    """One batch of multi-turn turns in flat tensors (two per batch, not two per turn)."""
-
-    lens: list[int] = per_item()
-    token_ids: torch.Tensor = per_token("lens", torch.long)
-    logprobs: torch.Tensor = per_token("lens", torch.float32)
-    texts: list[str] = per_item()
-    finish_reasons: list[str] = per_item()
-    policy_version: int = shared()
-    token_versions: torch.Tensor | None = per_token("lens", torch.long, fill=-1)
-
-    @classmethod
-    def of(cls, samples: list[Completion], version: int) -> PackedTurns:
-        """One sample per turn, packed; ``version``: the version served when the batch ended."""
-        return cls.build(
-            token_ids=[c.token_ids for c in samples],
-            logprobs=[c.logprobs for c in samples],
-            texts=[c.text for c in samples],
-            finish_reasons=[c.finish_reason for c in samples],
-            policy_version=version,
-            token_versions=[c.versions() for c in samples],
-        )
-
-    def unpack(self) -> list[TurnResult]:
-        versions = self.pieces("token_versions") if self.token_versions is not None else [None] * len(self)
-        return [
-            TurnResult(tokens, logprobs, text, _oldest(stamps, self.policy_version), reason, stamps)
-            for tokens, logprobs, text, reason, stamps in zip(
-                self.pieces("token_ids"), self.pieces("logprobs"), self.texts, self.finish_reasons, versions
-            )
-        ]
 
 
 class Policy(ForgeActor):
@@ -508,13 +410,6 @@ class Policy(ForgeActor):
             self.engine = None
         if self._adapters is not None:
             self._adapters.close()
-
-
-def _oldest(token_versions: torch.Tensor | None, otherwise: int) -> int:
-    """The version of the oldest token (``otherwise`` without any)."""
-    if token_versions is None or token_versions.numel() == 0:
-        return otherwise
-    return int(token_versions.min())
 
 
 def _unpacked(packed: Any, n: int, endpoint_name: str, items: str, callers: str) -> list[Any]:

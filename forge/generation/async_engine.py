@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from forge.generation.vllm_engine import (
+from forge.generation.vllm_engine import configure_vllm_env
+from forge.generation.vllm_io import (
     Prompts,
     checked_weights,
-    configure_vllm_env,
     engine_args,
     local_model_dir,
     safetensors_blob,
