@@ -41,6 +41,20 @@ class Prompt:
     meta: dict = field(default_factory=dict)
 
 
+def token_versions(stamps: torch.Tensor | None, num_tokens: int, version: int) -> torch.Tensor:
+    """int64 [num_tokens]: each token's version, ``stamps`` or, without them, ``version`` throughout."""
+    if stamps is not None:
+        return stamps
+    return torch.full((num_tokens,), version, dtype=torch.long)
+
+
+def oldest_version(stamps: torch.Tensor | None, otherwise: int) -> int:
+    """The version of the oldest token of ``stamps`` (``otherwise`` without any)."""
+    if stamps is None or stamps.numel() == 0:
+        return otherwise
+    return int(stamps.min())
+
+
 @dataclass
 class Completion:
     """One sampled response to a prompt, with what the trainer needs to correct off-policy data."""
@@ -58,9 +72,7 @@ class Completion:
 
     def versions(self) -> torch.Tensor:
         """int64 [T]: each token's version (``token_versions``, or ``policy_version`` throughout)."""
-        if self.token_versions is not None:
-            return self.token_versions
-        return torch.full((self.token_ids.numel(),), self.policy_version, dtype=torch.long)
+        return token_versions(self.token_versions, self.token_ids.numel(), self.policy_version)
 
 
 @dataclass
@@ -117,9 +129,7 @@ class PackedGroup(Packed):
 
     def versions(self) -> torch.Tensor:
         """int64, flat like ``token_ids``: each token's version."""
-        if self.token_versions is not None:
-            return self.token_versions
-        return torch.full((self.token_ids.numel(),), self.policy_version, dtype=torch.long)
+        return token_versions(self.token_versions, self.token_ids.numel(), self.policy_version)
 
     @functools.cached_property
     def completions(self) -> list[Completion]:
@@ -130,7 +140,7 @@ class PackedGroup(Packed):
                 t,
                 lp,
                 text,
-                int(v.min()) if v is not None and v.numel() else self.policy_version,
+                oldest_version(v, self.policy_version),
                 reason,
                 v,
             )
@@ -328,6 +338,10 @@ class TurnResult:
     finish_reason: str = "stop"
     token_versions: torch.Tensor | None = None
     """int64 [T]: the version that sampled each token; None: all ``policy_version``'s."""
+
+    def versions(self) -> torch.Tensor:
+        """int64 [T]: each token's version (``token_versions``, or ``policy_version`` throughout)."""
+        return token_versions(self.token_versions, self.token_ids.numel(), self.policy_version)
 
 
 @dataclass

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from forge.packing import Packed, per_item, per_token, shared
-from forge.types import Completion, PackedGroup, Prompt, TurnResult
+from forge.types import Completion, PackedGroup, Prompt, TurnResult, oldest_version
 from forge.wire import split_for_wire
 
-__all__ = ["PackedGroups", "PackedTurns", "oldest_version"]
+__all__ = ["PackedGroups", "PackedTurns"]
 
 
 @dataclass
@@ -50,12 +50,8 @@ class PackedGroups(Packed):
             group_sizes=[len(g) for g in outputs],
             prompt_lens=[int(g[0].prompt_ids.numel()) for g in outputs],
             prompt_ids=torch.cat([g[0].prompt_ids for g in outputs]),
-            token_ids=[c.token_ids for c in flat],
-            logprobs=[c.logprobs for c in flat],
-            texts=[c.text for c in flat],
-            finish_reasons=[c.finish_reason for c in flat],
             policy_version=version,
-            token_versions=[c.versions() for c in flat],
+            **_sample_columns(flat),
         )
 
     def unpack(self) -> list[PackedGroup]:
@@ -93,14 +89,7 @@ class PackedTurns(Packed):
     @classmethod
     def of(cls, samples: list[Completion], version: int) -> PackedTurns:
         """One sample per turn, packed; ``version``: the version served when the batch ended."""
-        return cls.build(
-            token_ids=[c.token_ids for c in samples],
-            logprobs=[c.logprobs for c in samples],
-            texts=[c.text for c in samples],
-            finish_reasons=[c.finish_reason for c in samples],
-            policy_version=version,
-            token_versions=[c.versions() for c in samples],
-        )
+        return cls.build(policy_version=version, **_sample_columns(samples))
 
     def unpack(self) -> list[TurnResult]:
         versions = self.pieces("token_versions") if self.token_versions is not None else [None] * len(self)
@@ -112,8 +101,12 @@ class PackedTurns(Packed):
         ]
 
 
-def oldest_version(token_versions: torch.Tensor | None, otherwise: int) -> int:
-    """The version of the oldest token (``otherwise`` without any)."""
-    if token_versions is None or token_versions.numel() == 0:
-        return otherwise
-    return int(token_versions.min())
+def _sample_columns(samples: list[Completion]) -> dict[str, list]:
+    """The per-sample columns both batches carry, sample after sample."""
+    return {
+        "token_ids": [c.token_ids for c in samples],
+        "logprobs": [c.logprobs for c in samples],
+        "texts": [c.text for c in samples],
+        "finish_reasons": [c.finish_reason for c in samples],
+        "token_versions": [c.versions() for c in samples],
+    }

@@ -63,10 +63,7 @@ class Trajectory:
                 f"session {self.session!r}: a turn needs one logprob per sampled token, "
                 f"got ids {tuple(ids.shape)} and logprobs {tuple(logprobs.shape)}"
             )
-        stamps = turn.token_versions
-        if stamps is None:
-            stamps = torch.full(ids.shape, int(turn.policy_version), dtype=torch.long)
-        self._append(ids, logprobs, sampled=True, versions=stamps.long())
+        self._append(ids, logprobs, sampled=True, versions=turn.versions().long())
         self.turn_versions.append(int(turn.policy_version))
 
     def add_observation(self, ids: torch.Tensor, reward: float, done: bool) -> None:

@@ -197,9 +197,6 @@ class VllmEngine:
         ``load_adapter``) samples with that adapter and stamps its version, instead of the one
         ``update_adapter`` serves: a policy serving many runs' adapters names one per call.
         """
-        if not prompts:
-            sampling_params(0, n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)  # checks the settings
-            return []
         ids = self._add(prompts, n, temperature, max_tokens, top_p, stop, stop_token_ids, seed, adapter)
         return self._completions(self.steps.run(ids), stop)
 
@@ -220,9 +217,6 @@ class VllmEngine:
         ``update_weights`` from another task lands between two steps, and the sequences in
         flight continue on the new weights, each token stamped with the version that sampled it
         (``Completion.token_versions``). Calls made meanwhile join the running batch."""
-        if not prompts:
-            sampling_params(0, n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)
-            return []
         ids = self._add(prompts, n, temperature, max_tokens, top_p, stop, stop_token_ids, seed, adapter)
         return self._completions(await self.steps.run_async(ids), stop)
 
@@ -238,7 +232,10 @@ class VllmEngine:
         seed: int | list[int] | None,
         adapter: ServedAdapter | None,
     ) -> list[str]:
+        """The call's requests, added to the engine (none for no prompts; the settings are checked either way)."""
         params = sampling_params(len(prompts), n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)
+        if not prompts:
+            return []
         inputs = token_prompts(prompts, self._tokenizer)
         lora, version = (
             (self._adapters.current, self._version) if adapter is None else (adapter.request, adapter.version)
@@ -248,6 +245,8 @@ class VllmEngine:
     def _completions(
         self, finished: list[tuple[Any, list[SampleVersions]]], stop: list[str] | None
     ) -> list[list[Completion]]:
+        if not finished:
+            return []
         outputs = [out for out, _ in finished]
         return to_completions(
             outputs,
