@@ -146,6 +146,12 @@ class PolicySection(Placement, PolicySettings):
     """The policy's settings (``forge.actors.policy.PolicySettings``) and placement. Keep
     ``top_p`` at 1.0: the trainer's logprobs apply no nucleus mask."""
 
+    concurrent_batches: int = 1
+    """``generate`` batches in flight to one replica at once. Above 1 a new batch joins the
+    engine while it generates (vLLM batches them step by step) instead of waiting for the batch
+    before it to finish, its longest completion included: what lets ``weight_sync.mode``
+    ``in_flight`` and ``rolling`` keep a replica busy through an update."""
+
 
 @dataclass(kw_only=True)
 class WeightSyncSection:
@@ -229,6 +235,9 @@ class TrainingSections(RunSections):
                 f"weight_sync.max_updating must be at least 1 and fewer than policy.num_replicas ({replicas}) "
                 f"for a rolling update, got {updating!r}"
             )
+        batches = self.policy.concurrent_batches
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+            raise ValueError(f"policy.concurrent_batches must be an int >= 1, got {batches!r}")
         if "jsonl" not in self.logging.sinks:
             raise ValueError(
                 "logging.sinks must include 'jsonl': metrics.jsonl is the run's record and the plot's source"

@@ -109,17 +109,38 @@ class PolicyWeights:
         wave = max(1, int(self.max_updating or 1))
         for start in range(0, len(replicas), wave):
             group = [r for r in replicas[start : start + wave] if r.accepting]
+            service = self._service()
+            for replica in group:  # new work goes to the others while these load
+                service.record_updating(replica)
             loads = [r.actor_mesh.update_weights.call(weights, version) for r in group]
-            results = await asyncio.gather(
-                *(asyncio.wait_for(load, self.resync_timeout_s) for load in loads), return_exceptions=True
-            )
+            try:
+                results = await asyncio.gather(
+                    *(asyncio.wait_for(load, self.resync_timeout_s) for load in loads), return_exceptions=True
+                )
+            finally:
+                for replica in group:
+                    if replica in service.replicas:
+                        service.record_updating(replica, False)
             for replica, result in zip(group, results):
                 if isinstance(result, BaseException):  # died or hung mid-load: its restart resyncs it
                     record_metric("weight_sync/interrupted", 1, "sum")
                     if replica.accepting:  # alive but failing: a bad update, not a death
-                        raise RoleFailed("policy", result)
+                        raise RoleFailed("policy", self._refused(version, replica, replicas, result))
                     continue
                 self._record([replica], version)
+
+    @staticmethod
+    def _refused(version: int, replica: Any, replicas: list[Any], error: BaseException) -> str:
+        """Why a roll stopped: the version a live replica refused, and what each replica serves
+        now (a replica refuses an update before loading any of it, so it serves its old one; a
+        replica with no version recorded serves the weights it started with, version 0)."""
+        from forge.describe import describe
+
+        serving = [0 if r.version is None else r.version for r in replicas]
+        return (
+            f"weights version {version} refused by replica {replica.replica_id} ({describe(error, limit=400)}); "
+            f"the rolling update stopped there: the replicas serve {serving}"
+        )
 
     def _service(self) -> Any:
         """The policy's ``Service`` (the handle's own)."""

@@ -48,7 +48,10 @@ def role_specs(cfg: GRPOConfig, model_path: str, weights_dir: str | None = None)
         from forge.controller.versions import NewestVersion
 
         generate = NewestVersion(KeyAffinity())
-    routers = {"endpoint_routers": {"generate": generate, "generate_turn": SessionAffinity}}
+    routers = {
+        "endpoint_routers": {"generate": generate, "generate_turn": SessionAffinity},
+        "concurrent_batches": {"generate": p.concurrent_batches},
+    }
     specs = [
         RoleSpec(
             "policy", Policy, policy_config(cfg, model_path, cfg.group_size, weights_dir), POLICY_ENV, options=routers

@@ -18,10 +18,13 @@ the trainer computes) and the policy version it was sampled with.
 ``PolicyConfig.lora`` (a LoRA trainer) vLLM serves adapters instead: each version is an adapter
 folder loaded beside the base, which is never reloaded (``forge.generation.lora``).
 The sampling endpoints are concurrent, so an update can reach the replica while it generates.
-``PolicyConfig.weight_updates`` says what then happens: ``drain`` (the default) waits for the
-generation in flight to finish, so no sequence spans two versions; ``in_flight`` loads between
+``PolicyConfig.weight_updates`` says what then happens: ``drain`` (the default) holds new calls,
+waits for the generation in flight to finish, loads, and lets them in, so no sequence spans two
+versions; ``in_flight`` loads between
 two engine steps (``VllmEngine.generate_async``) and the sequences in flight go on with the new
 weights, each token stamped with the version that sampled it (``Completion.token_versions``).
+What each update cost the engine is measured from its own step times and recorded as metrics
+(``policy/update_stall_s``, ``policy/update_hold_s``, ``policy/engine_busy_s``).
 
 Routing: ``prompt_key`` + ``key_affinity`` send a prompt (and any retry of it) to the replica
 that owns it by consistent hashing, where its prefix may still be cached. The key only routes:
@@ -182,6 +185,9 @@ class Policy(ForgeActor):
         self._updates: list[tuple[float, float, int]] = []  # (arrived, loaded, version), time.monotonic()
         self._drained: asyncio.Event = asyncio.Event()
         self._drained.set()
+        self._admitting: asyncio.Event = asyncio.Event()  # cleared while a draining update waits and loads
+        self._admitting.set()
+        self._held = 0  # sampling calls waiting on _admitting
 
     @endpoint
     async def setup(self) -> None:
@@ -285,6 +291,7 @@ class Policy(ForgeActor):
         # The batched engine steps with the event loop free between steps: an in-flight update
         # lands there (drain: update_weights waits for _drained first).
         generate = getattr(self.engine, "generate_async", self.engine.generate)
+        await self._admitted()
         with self._in_flight():
             outputs = await _settle(
                 generate(
@@ -302,7 +309,37 @@ class Policy(ForgeActor):
         seconds = time.perf_counter() - t0
         record_metric(batch_metric, len(inputs))
         record_metric("policy/generate_s", seconds, "sum")
+        self._record_engine_time()
         return outputs
+
+    async def _admitted(self) -> None:
+        """Wait while a draining update holds new work (it waits for the calls in flight, then
+        loads): without the hold, calls arriving meanwhile could keep it waiting forever."""
+        if self._admitting.is_set():
+            return
+        self._held += 1
+        try:
+            await self._admitting.wait()
+        finally:
+            self._held -= 1
+
+    def _record_engine_time(self) -> None:
+        """The engine's busy seconds and the update stalls measured since the last record
+        (``policy/engine_busy_s``, ``policy/update_stall_s``, ``policy/update_hold_s``, sums;
+        ``policy/update_stalls`` counts them): the batched engine's own step times."""
+        clock = self._clock()
+        if clock is None:
+            return
+        record_metric("policy/engine_busy_s", clock.take_busy_s(), "sum")
+        for stall in clock.take_stalls():
+            record_metric("policy/update_stall_s", stall.stall_s, "sum")
+            record_metric("policy/update_hold_s", stall.hold_s, "sum")
+            record_metric("policy/update_stalls", 1, "sum")
+
+    def _clock(self) -> Any:
+        """The batched engine's ``StepClock``; None for the async engine."""
+        steps = getattr(self.engine, "steps", None)
+        return None if steps is None else steps.clock
 
     @contextlib.contextmanager
     def _in_flight(self) -> Any:
@@ -356,8 +393,33 @@ class Policy(ForgeActor):
         the policy serves only what its own run's trainer wrote. Returns ``version``.
         """
         t0, arrived = time.perf_counter(), time.monotonic()
-        if self.config.weight_updates == "drain":  # no sequence spans two versions
-            await self._drained.wait()
+        draining = self.config.weight_updates == "drain"  # no sequence spans two versions
+        if draining:
+            self._admitting.clear()
+        try:
+            if draining:
+                await self._drained.wait()
+            await self._load(state_dict, version, arrived)
+        finally:
+            self._admitting.set()
+        seconds = time.perf_counter() - t0
+        record_metric("policy/update_weights_s", seconds, "sum")
+        self._updates = [*self._updates[-99:], (arrived, time.monotonic(), version)]
+        return version
+
+    async def _load(self, state_dict: Mapping[str, torch.Tensor] | str, version: int, arrived: float) -> None:
+        """Load one update (see ``update_weights``), timing the engine's stall around it."""
+        clock = self._clock()
+        if clock is not None:
+            clock.open(arrived)
+        try:
+            await self._load_weights(state_dict, version)
+        finally:
+            if clock is not None and not self._held and not self.engine.steps.busy:
+                clock.close_now()  # nothing waits for a step: the stall ends with the load
+            self._record_engine_time()
+
+    async def _load_weights(self, state_dict: Mapping[str, torch.Tensor] | str, version: int) -> None:
         keep = {"keep_kv": True} if self.config.keep_kv_on_update else {}
         if self._adapters is not None:  # LoRA: an adapter folder, or its tensors to write as one
             self.engine.update_adapter(self._adapters.receive(state_dict, version), version)
@@ -373,10 +435,6 @@ class Policy(ForgeActor):
                 await _settle(self.engine.update_weights(mapped, version, **keep))
         else:
             await _settle(self.engine.update_weights(state_dict, version, **keep))
-        seconds = time.perf_counter() - t0
-        record_metric("policy/update_weights_s", seconds, "sum")
-        self._updates = [*self._updates[-99:], (arrived, time.monotonic(), version)]
-        return version
 
     @endpoint
     async def update_times(self) -> list[tuple[float, float, int]]:

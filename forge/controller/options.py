@@ -49,6 +49,10 @@ class ActorOptions:
     None: ``round_robin``, and ``model_aware`` for multiplexed endpoints."""
     endpoint_routers: dict[str, Any] = field(default_factory=dict)
     """Per-endpoint routers, overriding ``router``: ``{"generate": "key_affinity"}``."""
+    concurrent_batches: dict[str, int] = field(default_factory=dict)
+    """Per batched endpoint, how many of its batches may be in flight to one replica at once,
+    overriding its ``Batching.max_concurrent_batches``: ``{"generate": 4}`` lets new batches join
+    an engine that is still generating (the endpoint must be ``concurrent=True`` to run them)."""
     call_timeout_s: float | None = 600.0
     """Longest one message to a replica may take before the caller gets ``RequestTimeout``."""
     setup_timeout_s: float | None = 900.0
@@ -115,6 +119,8 @@ class ActorOptions:
         _check_int("max_retries", self.max_retries, 0)
         _check_int("max_restarts", self.max_restarts, 0)
         _check_int("max_queued", self.max_queued, 0)
+        for name, batches in self.concurrent_batches.items():
+            _check_int(f"concurrent_batches[{name!r}]", batches, 1)
         if self.max_models is not None:
             _check_int("max_models", self.max_models, 1)
         if self.max_in_flight_per_replica is not None:

@@ -93,6 +93,9 @@ class Replica:
         self.version: int | None = None
         """The version it serves (of weights, say), as the service recorded it; None: not known.
         Version-aware routers read it (``forge.controller.versions``)."""
+        self.updating = False
+        """Whether its caller is loading a new version into it now (``Service.record_updating``):
+        version-aware routers send new work elsewhere meanwhile."""
 
     # ----------------------------------------------------------- identity
     @property
@@ -206,6 +209,7 @@ class Replica:
         self.generation += 1
         self.restarts += 1
         self.version = None
+        self.updating = False
         try:
             await self.start(take_traffic=False)
             if resync is not None:

@@ -92,6 +92,26 @@ def _check_arguments(name: str, spec: EndpointSpec, args: Sequence[Any], kwargs:
             raise TypeError(f"{name}{spec.signature}: {exc}") from None
 
 
+def with_concurrent_batches(
+    endpoints: dict[str, EndpointSpec], overrides: dict[str, int], cls_name: str
+) -> dict[str, EndpointSpec]:
+    """``endpoints`` with ``options(concurrent_batches=...)`` applied: how many batches of each
+    named batched endpoint may be in flight to one replica (``Batching.max_concurrent_batches``)."""
+    out = dict(endpoints)
+    for name, batches in overrides.items():
+        spec = endpoints.get(name)
+        if spec is None or spec.batching is None:
+            batched = sorted(n for n, e in endpoints.items() if e.batching is not None)
+            raise ValueError(
+                f"options(concurrent_batches=...) names {name!r}, which is not a batched endpoint of {cls_name}; "
+                f"batched endpoints: {batched}"
+            )
+        out[name] = dataclasses.replace(
+            spec, batching=dataclasses.replace(spec.batching, max_concurrent_batches=batches)
+        )
+    return out
+
+
 class Service:
     """Replicas of one actor class, their routers, and the request paths through them."""
 
@@ -99,7 +119,9 @@ class Service:
         self.actor_cls = actor_cls
         self.options = options
         self.name = f"{options.name or actor_cls.__name__.lower()}{next(_service_ids)}"
-        self.endpoints: dict[str, EndpointSpec] = endpoint_specs(actor_cls)
+        self.endpoints: dict[str, EndpointSpec] = with_concurrent_batches(
+            endpoint_specs(actor_cls), options.concurrent_batches, actor_cls.__name__
+        )
         multiplexed = sorted(n for n, e in self.endpoints.items() if e.multiplexed)
         self.multiplexing = check_multiplexing(actor_cls, multiplexed, options.max_models)
         for name in options.endpoint_routers:
@@ -176,9 +198,19 @@ class Service:
     def record_version(self, replica: Replica, version: int) -> None:
         """``replica`` serves ``version`` now (its caller loaded it there): version-aware routers
         (``forge.controller.versions.NewestVersion``) prefer the replicas on the newest one."""
+        self._check_own(replica)
+        replica.version = version
+        replica.updating = False
+
+    def record_updating(self, replica: Replica, updating: bool = True) -> None:
+        """``replica`` is loading a new version now (or no longer is, ``updating=False``):
+        version-aware routers send new work to the others meanwhile."""
+        self._check_own(replica)
+        replica.updating = updating
+
+    def _check_own(self, replica: Replica) -> None:
         if replica not in self.replicas:
             raise ValueError(f"replica {replica.replica_id} is not one of service {self.name}'s")
-        replica.version = version
 
     def add_replica_listener(self, listener: Callable[[], None]) -> None:
         """``listener()`` runs on the service's loop whenever a replica fails and whenever one is

@@ -8,9 +8,11 @@ service can route by it. ``NewestVersion`` wraps another router: among the repli
 take the request, it lets the inner router choose among those on the newest version, so that
 new work meets the newest weights, unless that replica holds ``slack`` more requests than the
 less loaded of two others: then the request goes there (a rolling update never piles the whole
-load onto the few replicas it has reached). Replicas with no recorded version count as the
-newest when none has one. Unlike the built-in routers it scans the replicas per request (O(n)):
-it is meant for the tens of replicas of a policy service, not for thousands.
+load onto the few replicas it has reached). A replica that is loading a version now
+(``Replica.updating``, ``Service.record_updating``) gets new work only when every replica is.
+Replicas with no recorded version count as the newest when none has one. Unlike the built-in
+routers it scans the replicas per request (O(n)): it is meant for the tens of replicas of a
+policy service, not for thousands.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class VersionedReplica(ReplicaView, Protocol):
     """A replica as ``NewestVersion`` sees it: its load and the version it serves."""
 
     version: int | None
+    updating: bool
 
 
 class NewestVersion(Router):
@@ -41,7 +44,8 @@ class NewestVersion(Router):
         self._rng = random.Random(seed)
 
     def choose(self, request: RouteRequest, replicas: Sequence[VersionedReplica]) -> VersionedReplica:  # type: ignore[override]
-        newest = self._on_newest(replicas)
+        ready = [r for r in replicas if not getattr(r, "updating", False)] or replicas
+        newest = self._on_newest(ready)
         if len(newest) == len(replicas):
             return self.inner.choose(request, replicas)  # type: ignore[return-value]
         chosen = self.inner.choose(request, newest)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vllm import RequestOutput
     from vllm.v1.engine.llm_engine import LLMEngine
 
-__all__ = ["EngineSteps", "SampleVersions"]
+__all__ = ["EngineSteps", "SampleVersions", "StepClock", "UpdateStall"]
 
 
 @dataclass
@@ -60,6 +60,65 @@ class SampleVersions:
         return version
 
 
+@dataclass(frozen=True)
+class UpdateStall:
+    """What one weight update cost a replica, from the engine's own step times (seconds)."""
+
+    stall_s: float
+    """No token generated because of the update: from the later of the update's arrival and the
+    last step before the load, to the first step after it (to the end of the load when no work
+    was waiting then)."""
+    hold_s: float
+    """From the update's arrival to that first step: how long new work waited on it (a draining
+    update holds new work while the sequences in flight finish)."""
+
+
+class StepClock:
+    """When one engine stepped: its busy seconds and what each weight update stalled it.
+
+    An update opens a stall (``open``) as it starts loading; the next step's start closes it,
+    or the load's end (``close_now``) when no work waits for a step. The caller takes what was
+    measured (``take_busy_s``, ``take_stalls``) to record it as metrics.
+    """
+
+    def __init__(self) -> None:
+        self.last_step_end: float | None = None
+        self._busy_s = 0.0
+        self._open: tuple[float, float] | None = None  # (stall from, arrived)
+        self._stalls: list[UpdateStall] = []
+
+    def open(self, arrived: float) -> None:
+        """An update that arrived at ``arrived`` (``time.monotonic()``) starts loading now."""
+        since = arrived if self.last_step_end is None else max(arrived, self.last_step_end)
+        self._open = (since, arrived)
+
+    def close_now(self) -> None:
+        """The update has loaded and no work waits: the stall ends now, not at the next step."""
+        self._close(time.monotonic())
+
+    def stepping(self, start: float, end: float) -> None:
+        """A step ran from ``start`` to ``end``."""
+        self._close(start)
+        self._busy_s += end - start
+        self.last_step_end = end
+
+    def take_busy_s(self) -> float:
+        """Seconds spent in engine steps since the last call."""
+        busy, self._busy_s = self._busy_s, 0.0
+        return busy
+
+    def take_stalls(self) -> list[UpdateStall]:
+        """The stalls closed since the last call."""
+        stalls, self._stalls = self._stalls, []
+        return stalls
+
+    def _close(self, at: float) -> None:
+        if self._open is not None:
+            since, arrived = self._open
+            self._stalls.append(UpdateStall(max(0.0, at - since), max(0.0, at - arrived)))
+            self._open = None
+
+
 class EngineSteps:
     """Adds requests to one in-process ``LLMEngine`` and steps it until they finish."""
 
@@ -69,9 +128,10 @@ class EngineSteps:
         self._finished: dict[str, RequestOutput] = {}
         self._versions: dict[tuple[str, int], SampleVersions] = {}
         self._live: dict[str, int] = {}  # request id -> its samples (n)
+        self.clock = StepClock()
+        """The engine's own step times (each step samples one token of every running sequence)."""
         self.step_times: list[float] = []
-        """``time.monotonic()`` at the end of every engine step that ran (the engine's own token
-        timestamps: each step samples one token of every running sequence). Cleared by the caller."""
+        """``time.monotonic()`` at the end of every step, while ``record_steps`` (tests). Cleared by the caller."""
         self.record_steps = False
 
     @property
@@ -107,11 +167,14 @@ class EngineSteps:
 
     def step(self) -> None:
         """One engine step; the outputs of requests it finished are kept for their callers."""
+        start = time.monotonic()
         for out in self._engine.step():
             if out.finished:
                 self._finished[out.request_id] = out
+        end = time.monotonic()
+        self.clock.stepping(start, end)
         if self.record_steps:
-            self.step_times.append(time.monotonic())
+            self.step_times.append(end)
 
     def run(self, ids: list[str]) -> list[tuple[RequestOutput, list[SampleVersions]]]:
         """Step until the requests ``ids`` finish (other callers' requests step along)."""

@@ -453,8 +453,11 @@ async def test_a_policy_replica_takes_an_update_while_it_generates_as_its_mode_s
     tiny_model_dir: Path, tiny_model_dir_alt: Path, weight_updates: str
 ) -> None:
     """An update reaches a replica in the middle of a batch. ``drain``: it waits, every token of
-    the batch is version 0's; ``in_flight``: it lands at once, and sequences still running go on
-    with version 1's tokens (versions never go back; a completion's version is its oldest token's)."""
+    the batch is version 0's, and a call arriving meanwhile is held until the update loaded (all
+    version 1); ``in_flight``: it lands at once, and sequences still running go on with version
+    1's tokens (versions never go back; a completion's version is its oldest token's). The
+    replica's own step times give the update's stall and hold: a drain holds new work through the
+    batch's tail, an update in flight only for its load."""
     from forge.actors.policy import Policy, PolicyConfig
     from forge.types import Prompt
 
@@ -471,19 +474,31 @@ async def test_a_policy_replica_takes_an_update_while_it_generates_as_its_mode_s
             await asyncio.sleep(0.01)
         else:
             pytest.fail("the batch never started")
-        assert await asyncio.wait_for(
-            policy.update_weights.fanout(str(tiny_model_dir_alt / "model.safetensors"), 1), 120
-        ) == [1]
+        await policy.drain_metrics.fanout()  # only this update's records from here on
+        update = asyncio.ensure_future(policy.update_weights.fanout(str(tiny_model_dir_alt / "model.safetensors"), 1))
+        await asyncio.sleep(0.2)  # the update has reached the replica; the batch is still running
+        late = asyncio.ensure_future(policy.generate.route(prompts[1]))
+        assert await asyncio.wait_for(update, 120) == [1]
         groups = await asyncio.wait_for(asyncio.gather(*pending), 120)
+        late_versions = (await asyncio.wait_for(late, 120)).token_versions.unique().tolist()
         completions = [c for g in groups for c in g.completions]
         versions = [c.token_versions.tolist() for c in completions]
         assert all(v == sorted(v) and set(v) <= {0, 1} for v in versions), versions
         assert all(c.policy_version == (min(v) if v else c.policy_version) for c, v in zip(completions, versions))
         spanning = [v for v in versions if len(set(v)) == 2]
+        assert max(len(v) for v in versions) > 100, "the batch ended before the update: nothing tested"
+        assert (await policy.generate.route(prompts[0])).token_versions.unique().tolist() == [1]
+        records = [r for replica in await policy.drain_metrics.fanout() for r in replica]
+        stall = {k: sum(v for n, v, _ in records if n == f"policy/update_{k}") for k in ("stall_s", "hold_s", "stalls")}
+        assert stall["stalls"] == 1, records
+        assert 0 < stall["stall_s"] < 5, stall
         if weight_updates == "drain":
             assert all(set(v) <= {0} for v in versions), versions
+            assert late_versions == [1]  # held while the update waited, not joined to the batch on 0
+            assert stall["hold_s"] > stall["stall_s"] + 0.1, stall  # the tail ran with new work held
         else:
             assert spanning, [len(v) for v in versions]
-        assert (await policy.generate.route(prompts[0])).token_versions.unique().tolist() == [1]
+            assert late_versions == [1]  # the update loaded at once
+            assert stall["hold_s"] == pytest.approx(stall["stall_s"], abs=0.05), stall
     finally:
         await policy.shutdown()

@@ -53,3 +53,92 @@ async def test_a_rolling_push_loads_one_replica_at_a_time_while_the_others_serve
         )
     finally:
         await policy.shutdown()
+
+
+def _turns_per_replica(policy: object) -> list[int]:
+    return [r.metrics()["endpoints"].get("generate_turn", {}).get("requests", 0) for r in policy.service.replicas]
+
+
+async def test_a_session_keeps_its_replica_across_a_rolling_update(
+    tiny_model_dir: Path, tiny_model_dir_alt: Path, tmp_path: Path
+) -> None:
+    """Each session's turns stay on the replica of its first turn, before, during and after a
+    rolling push; the turns after it are the new version's. The routers are the GRPO app's own
+    in rolling mode (``role_specs``)."""
+    import torch
+
+    from apps.grpo.config import GRPOConfig
+    from apps.grpo.roles import role_specs
+    from forge.config import load_config
+    from forge.types import TurnRequest
+
+    cfg = load_config(GRPOConfig, "configs/multiturn_tiny.yaml", ["weight_sync.mode=rolling", "policy.num_replicas=2"])
+    routers = next(spec for spec in role_specs(cfg, str(tiny_model_dir)) if spec.name == "policy").options
+    config = PolicyConfig(model_path=str(tiny_model_dir), group_size=1, max_tokens=40, max_model_len=192)
+    policy = await Policy.options(num_replicas=2, env={"OMP_NUM_THREADS": "1"}, **routers).as_service(config)
+    try:
+        weights = PolicyWeights(None, policy, "message", str(tmp_path), resync_timeout_s=120.0, max_updating=1)
+        histories = {f"s{i}": torch.tensor([3 + i, 4, 5 + i]) for i in range(6)}
+        home: dict[str, int] = {}
+
+        async def turn(session: str) -> object:
+            result = await policy.generate_turn.route(TurnRequest(session, histories[session]), key=session)
+            histories[session] = torch.cat([histories[session], result.token_ids])
+            return result
+
+        for session in histories:  # one at a time: the replica that took it is the one whose count grew
+            before = _turns_per_replica(policy)
+            await turn(session)
+            grown = [i for i, (a, b) in enumerate(zip(before, _turns_per_replica(policy))) if b > a]
+            assert len(grown) == 1
+            home[session] = grown[0]
+        assert len(set(home.values())) == 2, home  # the sessions are spread over both replicas
+        expected = [list(home.values()).count(i) for i in range(2)]
+
+        before = _turns_per_replica(policy)
+        push = asyncio.ensure_future(weights.push(str(tiny_model_dir_alt / "model.safetensors"), 1))
+        await asyncio.wait_for(asyncio.gather(*(turn(s) for s in histories)), 120)  # during the roll
+        await asyncio.wait_for(push, 240)
+        during = [b - a for a, b in zip(before, _turns_per_replica(policy))]
+        assert during == expected, (during, expected)
+
+        for session, replica in home.items():  # after it, one at a time again
+            before = _turns_per_replica(policy)
+            result = await turn(session)
+            grown = [i for i, (a, b) in enumerate(zip(before, _turns_per_replica(policy))) if b > a]
+            assert grown == [replica], (session, grown, replica)
+            assert result.policy_version == 1
+    finally:
+        await policy.shutdown()
+
+
+async def test_a_rolling_push_of_weights_that_fail_validation_stops_naming_the_version_and_nothing_half_loads(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A state dict with a tensor of the wrong shape: the first replica refuses it before loading
+    anything, the push stops with ``RoleFailed`` naming the version and the replicas' versions,
+    and both replicas still serve version 0 and sample with it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from apps.common.roles import RoleFailed
+
+    config = PolicyConfig(model_path=str(tiny_model_dir), group_size=2, max_tokens=8, max_model_len=64)
+    policy = await Policy.options(
+        num_replicas=2, env={"OMP_NUM_THREADS": "1"}, endpoint_routers={"generate": NewestVersion(KeyAffinity())}
+    ).as_service(config)
+    try:
+        weights = PolicyWeights(None, policy, "message", str(tmp_path), resync_timeout_s=120.0, max_updating=1)
+        bad = load_file(str(tiny_model_dir / "model.safetensors"))
+        name = next(n for n, t in bad.items() if t.dim() == 2)
+        bad[name] = torch.zeros(bad[name].shape[0] + 1, bad[name].shape[1])
+        with pytest.raises(RoleFailed, match=r"version 3 .*refused by replica 0.*replicas serve \[0, 0\]"):
+            await asyncio.wait_for(weights.push(bad, 3), 120)
+        assert await policy.version.fanout() == [0, 0]
+        assert [r.version for r in policy.service.replicas] == [None, None]
+        assert not any(r.updating for r in policy.service.replicas)
+        prompts = [Prompt(prompt_id=str(i), text=f"{i}=", answer="") for i in range(4)]
+        groups = await asyncio.wait_for(asyncio.gather(*(policy.generate.route(p) for p in prompts)), 60)
+        assert all(g.policy_version == 0 for g in groups)
+    finally:
+        await policy.shutdown()

@@ -562,3 +562,25 @@ def test_bad_weight_update_settings_fail_naming_the_value_and_what_is_expected()
                 "configs/grpo_tiny.yaml",
                 ["weight_sync.mode=rolling", f"weight_sync.max_updating={updating}", f"policy.num_replicas={replicas}"],
             )
+    with pytest.raises(ValueError, match="policy.concurrent_batches must be an int >= 1, got 0"):
+        load_config(GRPOConfig, "configs/grpo_tiny.yaml", ["policy.concurrent_batches=0"])
+
+
+def test_concurrent_batches_override_an_endpoints_batching_and_name_a_batched_endpoint() -> None:
+    from forge.actors.policy import Policy
+    from forge.controller.endpoint import endpoint_specs
+    from forge.controller.options import ActorOptions
+    from forge.controller.service import with_concurrent_batches
+
+    specs = endpoint_specs(Policy)
+    assert specs["generate"].batching.max_concurrent_batches == 1
+    changed = with_concurrent_batches(specs, {"generate": 4}, "Policy")
+    assert changed["generate"].batching.max_concurrent_batches == 4
+    assert (
+        changed["sample"].batching.max_concurrent_batches == 1
+        and specs["generate"].batching.max_concurrent_batches == 1
+    )
+    with pytest.raises(ValueError, match="names 'version', which is not a batched endpoint of Policy"):
+        with_concurrent_batches(specs, {"version": 2}, "Policy")
+    with pytest.raises(ValueError, match=r"concurrent_batches\['generate'\]"):
+        ActorOptions(concurrent_batches={"generate": 0})

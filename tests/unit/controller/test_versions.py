@@ -14,6 +14,7 @@ class VersionedFake:
     replica_id: int
     version: int | None = None
     in_flight: int = 0
+    updating: bool = False
     forming: set = field(default_factory=set)
 
     def has_forming(self, endpoint, key):
@@ -43,3 +44,13 @@ def test_replicas_without_a_recorded_version_share_the_work_when_none_has_one():
     assert [router.choose(RouteRequest("g"), reps).replica_id for _ in range(3)] == [0, 1, 2]
     with pytest.raises(ValueError, match="slack"):
         NewestVersion(slack=-1)
+
+
+def test_a_replica_loading_a_version_gets_new_work_only_when_every_replica_is():
+    reps = [VersionedFake(0, 3), VersionedFake(1, 3), VersionedFake(2, 3)]
+    reps[0].updating = True
+    router = NewestVersion("round_robin")
+    assert {router.choose(RouteRequest("g"), reps).replica_id for _ in range(12)} == {1, 2}
+    for replica in reps:
+        replica.updating = True
+    assert {router.choose(RouteRequest("g"), reps).replica_id for _ in range(12)} == {0, 1, 2}

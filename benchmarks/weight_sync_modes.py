@@ -1,0 +1,181 @@
+"""What each ``weight_sync.mode`` costs: the GRPO app in drain, in_flight and rolling mode, side by side.
+
+    python benchmarks/weight_sync_modes.py --out weight_sync_modes.json
+    python benchmarks/weight_sync_modes.py --workloads long_tail --steps long_tail=10 --out wsm.json
+
+Runs the app once per mode on each workload, one run after the other, the same seed and settings
+(two policy replicas, so that ``rolling`` can run; ``policy.concurrent_batches`` as
+``--concurrent-batches`` for every mode, so that a new batch can join an engine still generating):
+
+- ``tiny``: ``configs/grpo_tiny.yaml`` as it ships (its completions are all about as long);
+- ``long_tail``: ``configs/grpo_long_tail.yaml``, the medium model reversing 1 to 80 digits with up
+  to 96 new tokens: completion lengths vary widely.
+
+JSON (``--out``) ``workloads.<workload>.<key>.<mode>``, each from the run's own ``metrics.jsonl``:
+
+- ``policy_stall_s_per_update``: seconds a replica's engine ran no step because of an update (from
+  the later of the update's arrival and the engine's last step before the load, to its first step
+  after the load; ``policy/update_stall_s`` over ``policy/update_stalls``, the engine's own step
+  times, ``forge.generation.engine_steps.StepClock``);
+- ``policy_hold_s_per_update``: from the update's arrival to that first step: how long new work
+  waited on it (a drain holds new work while the sequences in flight finish);
+- ``steps_per_s``: steps over the sum of the step times;
+- ``policy_busy_fraction``: the replicas' engine-step seconds over replicas x the training wall time
+  (generation before the first step counts in the numerator: read it as an upper bound);
+- ``reward_last10``: the mean reward of the last 10 steps; ``token_age_mean``,
+  ``spanning_fraction``: the mean over the steps of ``policy/token_age_mean`` and
+  ``policy/spanning_fraction`` (sequences whose tokens span versions);
+- ``wall_s``: the run's wall time, start-up included.
+
+and the goals' ratios per workload: ``stall_vs_drain.<mode>``, ``steps_per_s_vs_drain.<mode>``,
+``reward_last10_minus_drain.<mode>``. The load average is recorded before and after (other jobs on
+the machine change every figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from apps.grpo.cli import app_command  # noqa: E402
+
+MODES = ("drain", "in_flight", "rolling")
+WORKLOADS = {"tiny": "configs/grpo_tiny.yaml", "long_tail": "configs/grpo_long_tail.yaml"}
+DEFAULT_STEPS = {"tiny": 40, "long_tail": 15}
+REPLICAS = 2
+
+
+def run_mode(workload: str, mode: str, steps: int, args: argparse.Namespace, folder: Path) -> dict:
+    """One app run of ``workload`` in ``mode``; its figures from ``metrics.jsonl``."""
+    out = folder / f"{workload}-{mode}"
+    cmd = app_command(
+        WORKLOADS[workload],
+        out,
+        f"steps={steps}",
+        f"seed={args.seed}",
+        f"policy.num_replicas={REPLICAS}",
+        f"policy.concurrent_batches={args.concurrent_batches}",
+        f"weight_sync.mode={mode}",
+        "weight_sync.max_updating=1",
+        "logging.plot=false",
+        *args.overrides.get(workload, []),
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.monotonic() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{workload}/{mode} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "out" / "metrics.jsonl").read_text().splitlines()]
+    figures = mode_figures(rows)
+    figures["wall_s"] = wall
+    print(f"  {workload}/{mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()), flush=True)
+    return figures
+
+
+def mode_figures(rows: list[dict]) -> dict[str, float]:
+    """The keys of one run (see the module's docstring) from its metric rows."""
+
+    def total(name: str) -> float:
+        return sum(float(r.get(name, 0.0)) for r in rows)
+
+    def mean(name: str) -> float:
+        values = [float(r[name]) for r in rows if name in r]
+        return sum(values) / len(values) if values else 0.0
+
+    step_s = total("step_time_s")
+    window = rows[-1]["wall_s"] - (rows[0]["wall_s"] - rows[0]["step_time_s"])
+    stalls = total("policy/update_stalls")
+    last = [r["reward_mean"] for r in rows[-10:]]
+    return {
+        "policy_stall_s_per_update": total("policy/update_stall_s") / stalls if stalls else 0.0,
+        "policy_hold_s_per_update": total("policy/update_hold_s") / stalls if stalls else 0.0,
+        "updates_timed": stalls,
+        "steps_per_s": len(rows) / step_s,
+        "policy_busy_fraction": total("policy/engine_busy_s") / (REPLICAS * window),
+        "reward_last10": sum(last) / len(last),
+        "token_age_mean": mean("policy/token_age_mean"),
+        "spanning_fraction": mean("policy/spanning_fraction"),
+    }
+
+
+def workload_report(per_mode: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``<key>.<mode>`` and the ratios to drain."""
+    keys = next(iter(per_mode.values())).keys()
+    report: dict[str, dict[str, float]] = {key: {m: f[key] for m, f in per_mode.items()} for key in keys}
+    drain = per_mode.get("drain")
+    if drain is None:
+        return report
+    others = [m for m in per_mode if m != "drain"]
+    stall = drain["policy_stall_s_per_update"]
+    report["stall_vs_drain"] = {m: per_mode[m]["policy_stall_s_per_update"] / stall for m in others if stall}
+    report["hold_vs_drain"] = {
+        m: per_mode[m]["policy_hold_s_per_update"] / drain["policy_hold_s_per_update"]
+        for m in others
+        if drain["policy_hold_s_per_update"]
+    }
+    report["steps_per_s_vs_drain"] = {m: per_mode[m]["steps_per_s"] / drain["steps_per_s"] for m in others}
+    report["reward_last10_minus_drain"] = {m: per_mode[m]["reward_last10"] - drain["reward_last10"] for m in others}
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="where the JSON report goes")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--steps", nargs="*", default=[], help="per workload, e.g. long_tail=10 tiny=30")
+    parser.add_argument(
+        "--set", nargs="*", default=[], dest="sets", help="per workload, app overrides: long_tail:prompts_per_step=2"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrent-batches", type=int, default=4, help="policy.concurrent_batches, every mode")
+    args = parser.parse_args()
+    steps = dict(DEFAULT_STEPS)
+    for item in args.steps:
+        name, _, value = item.partition("=")
+        if name not in WORKLOADS or not value.isdigit() or int(value) < 1:
+            raise SystemExit(
+                f"--steps takes <workload>=<steps >= 1> with a workload of {list(WORKLOADS)}, got {item!r}"
+            )
+        steps[name] = int(value)
+    args.overrides = {}
+    for item in args.sets:
+        name, _, override = item.partition(":")
+        if name not in WORKLOADS or "=" not in override:
+            raise SystemExit(f"--set takes <workload>:<key>=<value> with a workload of {list(WORKLOADS)}, got {item!r}")
+        args.overrides.setdefault(name, []).append(override)
+
+    report: dict = {
+        "replicas": REPLICAS,
+        "concurrent_batches": args.concurrent_batches,
+        "seed": args.seed,
+        "overrides": args.overrides,
+        "load_before": os.getloadavg()[0],
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "workloads": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="forge-wsm-") as tmp:
+        for workload in args.workloads:
+            print(f"{workload} ({WORKLOADS[workload]}, {steps[workload]} steps)", flush=True)
+            per_mode = {mode: run_mode(workload, mode, steps[workload], args, Path(tmp)) for mode in args.modes}
+            report["workloads"][workload] = {"config": WORKLOADS[workload], "steps": steps[workload]}
+            report["workloads"][workload].update(workload_report(per_mode))
+    report["load_after"] = os.getloadavg()[0]
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(
+        json.dumps({w: {k: v for k, v in r.items() if k.endswith("_vs_drain")} for w, r in report["workloads"].items()})
+    )
+
+
+if __name__ == "__main__":
+    main()
