@@ -3,13 +3,20 @@
     python benchmarks/weight_sync_modes.py --out weight_sync_modes.json
     python benchmarks/weight_sync_modes.py --workloads long_tail --steps long_tail=10 --out wsm.json
 
-Runs the app once per mode on each workload, one run after the other, the same seed and settings
-(two policy replicas, so that ``rolling`` can run; ``policy.concurrent_batches`` as
-``--concurrent-batches`` for every mode, so that a new batch can join an engine still generating):
+Runs the app once per mode (``drain``, ``in_flight``, ``in_flight_keep_kv``: ``in_flight`` with
+``policy.keep_kv_on_update``, and ``rolling`` with ``max_updating`` 1) on each workload, one run
+after the other, the same seed and settings (two policy replicas, so that ``rolling`` can run;
+``policy.concurrent_batches`` as ``--concurrent-batches`` for every mode, so that a new batch can
+join an engine still generating):
 
 - ``tiny``: ``configs/grpo_tiny.yaml`` as it ships (its completions are all about as long);
 - ``long_tail``: ``configs/grpo_long_tail.yaml``, the medium model reversing 1 to 80 digits with up
-  to 96 new tokens: completion lengths vary widely.
+  to 96 new tokens: completion lengths vary widely;
+- ``policy_only``: the long-tail policy service alone, its routers as the app makes them, with
+  ``--callers`` callers keeping prompts in flight and a push every ``--push-every`` seconds: what a
+  mode does to generation when generation, not the trainer, is the bottleneck (``tokens_per_s``
+  instead of ``steps_per_s``, no reward). On 2 shared cores the GRPO app is trainer-bound, so
+  updates there mostly find the policy idle.
 
 JSON (``--out``) ``workloads.<workload>.<key>.<mode>``, each from the run's own ``metrics.jsonl``:
 
@@ -35,6 +42,7 @@ the machine change every figure).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -48,8 +56,19 @@ sys.path.insert(0, str(REPO))
 
 from apps.grpo.cli import app_command  # noqa: E402
 
-MODES = ("drain", "in_flight", "rolling")
+MODES = ("drain", "in_flight", "in_flight_keep_kv", "rolling")
+"""``weight_sync.mode`` values, and ``in_flight_keep_kv``: ``in_flight`` with ``policy.keep_kv_on_update``."""
+
+
+def mode_overrides(mode: str) -> list[str]:
+    """The app overrides that select ``mode`` (one of ``MODES``)."""
+    if mode == "in_flight_keep_kv":
+        return ["weight_sync.mode=in_flight", "policy.keep_kv_on_update=true"]
+    return [f"weight_sync.mode={mode}"]
+
+
 WORKLOADS = {"tiny": "configs/grpo_tiny.yaml", "long_tail": "configs/grpo_long_tail.yaml"}
+POLICY_ONLY = "policy_only"
 DEFAULT_STEPS = {"tiny": 40, "long_tail": 15}
 REPLICAS = 2
 
@@ -64,7 +83,7 @@ def run_mode(workload: str, mode: str, steps: int, args: argparse.Namespace, fol
         f"seed={args.seed}",
         f"policy.num_replicas={REPLICAS}",
         f"policy.concurrent_batches={args.concurrent_batches}",
-        f"weight_sync.mode={mode}",
+        *mode_overrides(mode),
         "weight_sync.max_updating=1",
         "logging.plot=false",
         *args.overrides.get(workload, []),
@@ -79,6 +98,87 @@ def run_mode(workload: str, mode: str, steps: int, args: argparse.Namespace, fol
     figures = mode_figures(rows)
     figures["wall_s"] = wall
     print(f"  {workload}/{mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()), flush=True)
+    return figures
+
+
+async def serve_mode(mode: str, args: argparse.Namespace, folder: Path) -> dict[str, float]:
+    """The ``policy_only`` workload in ``mode``: the long-tail config's policy service alone
+    (its routers, two replicas), ``--callers`` callers each keeping one prompt in flight, and a
+    push every ``--push-every`` seconds (two models' weights, in turn) for ``--serve-s`` seconds."""
+    from apps.common.launch import policy_config
+    from apps.common.weights import PolicyWeights
+    from apps.grpo.config import GRPOConfig
+    from apps.grpo.roles import role_specs
+    from forge.actors.policy import Policy
+    from forge.config import load_config
+    from forge.data.tasks import ToyTask
+    from forge.models import make_tiny_model
+
+    cfg = load_config(
+        GRPOConfig,
+        WORKLOADS["long_tail"],
+        [*mode_overrides(mode), "weight_sync.max_updating=1", f"policy.num_replicas={REPLICAS}"],
+    )
+    t = cfg.model.tiny
+    models = [
+        make_tiny_model(
+            folder / f"policy-model-{seed}",
+            arch=t.arch,
+            hidden_size=t.hidden_size,
+            num_layers=t.num_layers,
+            seed=seed,
+            init_std=t.init_std,
+        )
+        for seed in (t.seed, t.seed + 1)
+    ]
+    routers = next(spec for spec in role_specs(cfg, str(models[0])) if spec.name == "policy").options
+    routers["concurrent_batches"] = {"generate": args.concurrent_batches}
+    config = policy_config(cfg, str(models[0]), cfg.group_size)
+    policy = await Policy.options(num_replicas=REPLICAS, env={"OMP_NUM_THREADS": "1"}, **routers).as_service(config)
+    max_updating = cfg.weight_sync.max_updating if mode == "rolling" else None
+    weights = PolicyWeights(None, policy, "message", str(folder), resync_timeout_s=300.0, max_updating=max_updating)
+    task = ToyTask(seed=args.seed, min_digits=1, max_digits=80)
+    counts = {"tokens": 0, "groups": 0, "prompt": 0}
+    try:
+        await asyncio.wait_for(policy.generate.route(task[0], key=task[0].text), 300)  # warm up
+        await policy.drain_metrics.fanout()
+        started = time.monotonic()
+        deadline = started + args.serve_s
+
+        async def caller() -> None:
+            while time.monotonic() < deadline:
+                prompt = task[counts["prompt"]]
+                counts["prompt"] += 1
+                group = await asyncio.wait_for(policy.generate.route(prompt, key=prompt.text), 300)
+                counts["tokens"] += sum(int(c.token_ids.numel()) for c in group.completions)
+                counts["groups"] += 1
+
+        async def pusher() -> None:
+            version = 0
+            while time.monotonic() + args.push_every < deadline:
+                await asyncio.sleep(args.push_every)
+                version += 1
+                await asyncio.wait_for(weights.push(str(models[version % 2] / "model.safetensors"), version), 300)
+
+        await asyncio.gather(pusher(), *(caller() for _ in range(args.callers)))
+        elapsed = time.monotonic() - started
+        records = [r for replica in await policy.drain_metrics.fanout() for r in replica]
+    finally:
+        await policy.shutdown()
+
+    def total(name: str) -> float:
+        return sum(value for n, value, _ in records if n == name)
+
+    stalls = total("policy/update_stalls")
+    figures = {
+        "policy_stall_s_per_update": total("policy/update_stall_s") / stalls if stalls else 0.0,
+        "policy_hold_s_per_update": total("policy/update_hold_s") / stalls if stalls else 0.0,
+        "updates_timed": stalls,
+        "tokens_per_s": counts["tokens"] / elapsed,
+        "groups_per_s": counts["groups"] / elapsed,
+        "policy_busy_fraction": total("policy/engine_busy_s") / (REPLICAS * elapsed),
+    }
+    print(f"  policy_only/{mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()), flush=True)
     return figures
 
 
@@ -123,15 +223,21 @@ def workload_report(per_mode: dict[str, dict[str, float]]) -> dict[str, dict[str
         for m in others
         if drain["policy_hold_s_per_update"]
     }
-    report["steps_per_s_vs_drain"] = {m: per_mode[m]["steps_per_s"] / drain["steps_per_s"] for m in others}
-    report["reward_last10_minus_drain"] = {m: per_mode[m]["reward_last10"] - drain["reward_last10"] for m in others}
+    for key in ("steps_per_s", "tokens_per_s"):
+        if key in drain:
+            report[f"{key}_vs_drain"] = {m: per_mode[m][key] / drain[key] for m in others}
+    if "reward_last10" in drain:
+        report["reward_last10_minus_drain"] = {m: per_mode[m]["reward_last10"] - drain["reward_last10"] for m in others}
     return report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where the JSON report goes")
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=[*WORKLOADS, POLICY_ONLY], default=[*WORKLOADS, POLICY_ONLY])
+    parser.add_argument("--serve-s", type=float, default=60.0, help="policy_only: seconds per mode")
+    parser.add_argument("--push-every", type=float, default=3.0, help="policy_only: seconds between pushes")
+    parser.add_argument("--callers", type=int, default=8, help="policy_only: prompts kept in flight")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--steps", nargs="*", default=[], help="per workload, e.g. long_tail=10 tiny=30")
     parser.add_argument(
@@ -166,6 +272,17 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="forge-wsm-") as tmp:
         for workload in args.workloads:
+            if workload == POLICY_ONLY:
+                print(f"{POLICY_ONLY} ({args.serve_s:.0f} s a mode, a push every {args.push_every} s)", flush=True)
+                per_mode = {mode: asyncio.run(serve_mode(mode, args, Path(tmp))) for mode in args.modes}
+                report["workloads"][POLICY_ONLY] = {
+                    "config": WORKLOADS["long_tail"],
+                    "serve_s": args.serve_s,
+                    "push_every_s": args.push_every,
+                    "callers": args.callers,
+                    **workload_report(per_mode),
+                }
+                continue
             print(f"{workload} ({WORKLOADS[workload]}, {steps[workload]} steps)", flush=True)
             per_mode = {mode: run_mode(workload, mode, steps[workload], args, Path(tmp)) for mode in args.modes}
             report["workloads"][workload] = {"config": WORKLOADS[workload], "steps": steps[workload]}
