@@ -170,7 +170,8 @@ class WeightSyncSection:
     has finished (no sequence spans two versions); ``in_flight``, between two engine steps, the
     sequences in flight going on with the new weights, each token stamped with the version that
     sampled it (``policy.keep_kv_on_update`` says whether their old KV is kept; needs
-    ``policy.engine_mode: batched`` and full weights, not LoRA); ``rolling``, as ``drain`` but at
+    ``policy.engine_mode: batched``; with a LoRA trainer the sequences in flight finish on the
+    adapter they started with, new ones start on the new one); ``rolling``, as ``drain`` but at
     most ``max_updating`` replicas at a time, new groups routed to the replicas already on the
     newest version (``forge.controller.versions.NewestVersion``)."""
     max_updating: int = 1

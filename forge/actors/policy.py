@@ -22,7 +22,9 @@ The sampling endpoints are concurrent, so an update can reach the replica while 
 waits for the generation in flight to finish, loads, and lets them in, so no sequence spans two
 versions; ``in_flight`` loads between
 two engine steps (``VllmEngine.generate_async``) and the sequences in flight go on with the new
-weights, each token stamped with the version that sampled it (``Completion.token_versions``).
+weights, each token stamped with the version that sampled it (``Completion.token_versions``);
+with LoRA the sequences in flight finish on the adapter they started with and new ones start on
+the new adapter (vLLM binds a request to its adapter), so nothing waits either.
 What each update cost the engine is measured from its own step times and recorded as metrics
 (``policy/update_stall_s``, ``policy/update_hold_s``, ``policy/engine_busy_s``).
 
@@ -155,10 +157,9 @@ class PolicyConfig(PolicySettings):
         super().__post_init__()
         if self.weight_updates not in WEIGHT_UPDATES:
             raise ValueError(f"weight_updates must be one of {WEIGHT_UPDATES}, got {self.weight_updates!r}")
-        if self.weight_updates == "in_flight" and (self.engine_mode != "batched" or self.lora is not None):
+        if self.weight_updates == "in_flight" and self.engine_mode != "batched":
             raise ValueError(
-                f"in-flight weight updates need engine_mode 'batched' and full weights; got engine_mode "
-                f"{self.engine_mode!r}{' and a LoRA trainer' if self.lora is not None else ''}"
+                f"in-flight weight updates need engine_mode 'batched', got engine_mode {self.engine_mode!r}"
             )
         if self.lora is not None:
             serving_rank(self.lora.rank, self.max_lora_rank)  # a ValueError naming both ranks

@@ -128,6 +128,7 @@ class EngineSteps:
         self._finished: dict[str, RequestOutput] = {}
         self._versions: dict[tuple[str, int], SampleVersions] = {}
         self._live: dict[str, int] = {}  # request id -> its samples (n)
+        self._adapter_ids: dict[str, int] = {}  # request id -> the LoRA adapter it runs on (vLLM's id)
         self.clock = StepClock()
         """The engine's own step times (each step samples one token of every running sequence)."""
         self.step_times: list[float] = []
@@ -148,6 +149,8 @@ class EngineSteps:
                 request_id = f"forge-{next(self._ids)}"
                 self._engine.add_request(request_id, prompt, sampling, lora_request=lora)
                 self._live[request_id] = sampling.n
+                if lora is not None:
+                    self._adapter_ids[request_id] = lora.lora_int_id
                 for index in range(sampling.n):
                     self._versions[(request_id, index)] = SampleVersions(version)
                 ids.append(request_id)
@@ -155,6 +158,10 @@ class EngineSteps:
             self.abort(ids)
             raise
         return ids
+
+    def adapter_in_use(self, lora_int_id: int) -> bool:
+        """Whether a request in the engine runs on the LoRA adapter ``lora_int_id``."""
+        return lora_int_id in self._adapter_ids.values()
 
     def mark(self, version: int) -> None:
         """Every live sample's tokens from now on are ``version``'s (called by an update, between steps)."""
@@ -222,6 +229,7 @@ class EngineSteps:
     def _forget(self, ids: list[str]) -> None:
         for request_id in ids:
             n = self._live.pop(request_id, 0)
+            self._adapter_ids.pop(request_id, None)
             self._finished.pop(request_id, None)
             for index in range(n):
                 self._versions.pop((request_id, index), None)

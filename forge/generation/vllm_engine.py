@@ -102,6 +102,7 @@ class VllmEngine:
         self._in_process = in_process
         self._version = 0
         self._adapters = AdapterSlots()  # with enable_lora: the adapter each generate runs on
+        self._replaced_adapters: list[Any] = []  # replaced while requests still ran on them
         self.steps = EngineSteps(llm.llm_engine)
         """The step loop every generate runs on (``forge.generation.engine_steps``)."""
 
@@ -198,7 +199,10 @@ class VllmEngine:
         ``update_adapter`` serves: a policy serving many runs' adapters names one per call.
         """
         ids = self._add(prompts, n, temperature, max_tokens, top_p, stop, stop_token_ids, seed, adapter)
-        return self._completions(self.steps.run(ids), stop)
+        try:
+            return self._completions(self.steps.run(ids), stop)
+        finally:
+            self._remove_replaced_adapters()
 
     async def generate_async(
         self,
@@ -218,7 +222,10 @@ class VllmEngine:
         flight continue on the new weights, each token stamped with the version that sampled it
         (``Completion.token_versions``). Calls made meanwhile join the running batch."""
         ids = self._add(prompts, n, temperature, max_tokens, top_p, stop, stop_token_ids, seed, adapter)
-        return self._completions(await self.steps.run_async(ids), stop)
+        try:
+            return self._completions(await self.steps.run_async(ids), stop)
+        finally:
+            self._remove_replaced_adapters()
 
     def _add(
         self,
@@ -280,9 +287,11 @@ class VllmEngine:
         """Serve the LoRA adapter in ``folder`` (PEFT's format) as ``version``, beside the base.
 
         The adapter is loaded now, under a new id, so the caller may remove the folder after a
-        newer version replaced it; the previous adapter is removed (``generate`` is synchronous:
-        no request is still running on it). Prefix-cache blocks are keyed by adapter, so none
-        computed with another one is reused.
+        newer version replaced it. Called between the steps of a ``generate_async`` in flight,
+        nothing waits: vLLM binds a request to its adapter, so the sequences in flight finish on
+        the previous one (every token of a sequence is one version's) and new requests start on
+        this one; the previous adapter is removed from vLLM once no request runs on it.
+        Prefix-cache blocks are keyed by adapter, so none computed with another one is reused.
         """
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
@@ -292,8 +301,22 @@ class VllmEngine:
             raise RuntimeError(f"vLLM did not load the adapter at {folder}")
         previous, self._adapters.current = self._adapters.current, request
         if previous is not None:
-            engine.remove_lora(previous.lora_int_id)
+            self._replaced_adapters.append(previous)
         self._version = version
+        self._remove_replaced_adapters()
+
+    def _remove_replaced_adapters(self) -> None:
+        """Remove from vLLM the adapters ``update_adapter`` replaced that no request runs on now."""
+        if not self._replaced_adapters:
+            return
+        engine = self.llm.llm_engine
+        kept = []
+        for adapter in self._replaced_adapters:
+            if self.steps.adapter_in_use(adapter.lora_int_id):
+                kept.append(adapter)
+            else:
+                engine.remove_lora(adapter.lora_int_id)
+        self._replaced_adapters = kept
 
     def load_adapter(self, folder: str | os.PathLike, version: int) -> ServedAdapter:
         """Load the LoRA adapter in ``folder`` beside the base and any others, under a new id;

@@ -112,3 +112,48 @@ def test_the_serving_rank_is_the_smallest_vllm_accepts_that_holds_the_adapter_un
 
     assert [serving_rank(r) for r in (1, 4, 8, 9, 16, 100)] == [1, 8, 8, 16, 16, 128]
     assert serving_rank(4, 32) == 32
+
+
+async def test_an_adapter_update_in_flight_lets_running_sequences_finish_on_the_adapter_they_started_with(
+    lora_engine: VllmEngine, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """An update to adapter version 2 lands between two steps of a call sampling on version 1:
+    nothing waits, the call's samples are exactly those of version 1 alone (same seed), every
+    token version 1's; version 1 stays loaded in vLLM while they run and is removed once they
+    finished; the next call samples version 2."""
+    import asyncio
+
+    _adapter(tiny_model_dir, tmp_path / "v1", seed=1)
+    _adapter(tiny_model_dir, tmp_path / "v2", seed=2)
+    lora_engine.update_adapter(tmp_path / "v1", 1)
+    settings = {"n": 2, "temperature": 1.0, "max_tokens": 40, "seed": 5}
+    alone = [c for g in lora_engine.generate(PROMPTS[:2], **settings) for c in g]
+    old_id = lora_engine._adapters.current.lora_int_id
+    steps = lora_engine.steps
+    steps.step_times.clear()
+    steps.record_steps = True
+
+    async def update() -> set[int]:
+        while len(steps.step_times) < 3:
+            await asyncio.sleep(0)  # runs between two engine steps
+        lora_engine.update_adapter(tmp_path / "v2", 2)
+        return set(lora_engine.llm.llm_engine.list_loras())
+
+    try:
+        groups, loaded_meanwhile = await asyncio.wait_for(
+            asyncio.gather(lora_engine.generate_async(PROMPTS[:2], **settings), update()), 120
+        )
+    finally:
+        steps.record_steps = False
+    during = [c for g in groups for c in g]
+    assert max(len(c.token_ids) for c in during) > 3, "the call ended before the update: nothing tested"
+    assert [c.token_ids.tolist() for c in during] == [c.token_ids.tolist() for c in alone]
+    assert_close_to_scale(
+        torch.cat([c.logprobs for c in during]), torch.cat([c.logprobs for c in alone]), 1e-4, what="logprobs"
+    )
+    assert all(c.versions().unique().tolist() == [1] for c in during)
+    assert old_id in loaded_meanwhile
+    assert old_id not in lora_engine.llm.llm_engine.list_loras()
+    after = [c for g in lora_engine.generate(PROMPTS[:2], **settings) for c in g]
+    assert all(c.policy_version == 2 for c in after)
+    assert [c.token_ids.tolist() for c in after] != [c.token_ids.tolist() for c in alone]

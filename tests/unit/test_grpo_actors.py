@@ -544,11 +544,11 @@ def test_bad_weight_update_settings_fail_naming_the_value_and_what_is_expected()
     with pytest.raises(ValueError, match=r"weight_updates must be one of \('drain', 'in_flight'\), got 'rolling'"):
         PolicyConfig(model_path="m", weight_updates="rolling")
     with pytest.raises(
-        ValueError, match="in-flight weight updates need engine_mode 'batched'.*got engine_mode 'async'"
+        ValueError, match="in-flight weight updates need engine_mode 'batched', got engine_mode 'async'"
     ):
         PolicyConfig(model_path="m", weight_updates="in_flight", engine_mode="async")
-    with pytest.raises(ValueError, match="and a LoRA trainer"):
-        PolicyConfig(model_path="m", weight_updates="in_flight", lora=LoraSettings(rank=8))
+    # A LoRA policy takes adapter updates in flight (each sequence on the adapter it started with).
+    assert PolicyConfig(model_path="m", weight_updates="in_flight", lora=LoraSettings(rank=8)).lora is not None
     with pytest.raises(ValueError, match="keep_kv_on_update needs engine_mode 'batched'"):
         PolicySettings(keep_kv_on_update=True, engine_mode="async")
     with pytest.raises(
