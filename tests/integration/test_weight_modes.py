@@ -142,3 +142,65 @@ async def test_a_rolling_push_of_weights_that_fail_validation_stops_naming_the_v
         assert all(g.policy_version == 0 for g in groups)
     finally:
         await policy.shutdown()
+
+
+def _replica_process(mesh_name: str) -> object:
+    """The process of the replica whose proc mesh is ``mesh_name`` (not its own children)."""
+    import os
+
+    import psutil
+
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if child.environ().get("FORGE_PROC_MESH") == mesh_name and (
+                child.parent().environ().get("FORGE_PROC_MESH") != mesh_name
+            ):
+                return child
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no process of replica mesh {mesh_name}")
+
+
+async def test_a_replica_killed_during_its_rolling_update_restarts_on_the_new_version_and_nothing_is_lost(
+    tiny_model_dir: Path, tiny_model_dir_alt: Path, tmp_path: Path
+) -> None:
+    """SIGKILL of the replica the roll is updating (it is draining its batch): the push finishes,
+    the dead replica restarts and resyncs to the pushed version before it takes traffic, and every
+    group asked for before the kill comes back (resent to a live replica)."""
+    import time
+
+    from forge.controller import ReplicaState
+
+    config = PolicyConfig(model_path=str(tiny_model_dir), group_size=4, max_tokens=120, max_model_len=192)
+    policy = await Policy.options(
+        num_replicas=2,
+        env={"OMP_NUM_THREADS": "1"},
+        endpoint_routers={"generate": NewestVersion(KeyAffinity())},
+        restart_backoff_s=0.1,
+    ).as_service(config)
+    try:
+        weights = PolicyWeights(None, policy, "message", str(tmp_path), resync_timeout_s=120.0, max_updating=1)
+        policy.set_resync(weights.resync)
+        prompts = [Prompt(prompt_id=str(i), text=f"{i}{i}=", answer="") for i in range(12)]
+        pending = [asyncio.ensure_future(policy.generate.route(p, key=p.text)) for p in prompts]
+        await asyncio.sleep(0.2)  # both replicas are generating
+        push = asyncio.ensure_future(weights.push(str(tiny_model_dir_alt / "model.safetensors"), 1))
+        deadline = time.monotonic() + 60
+        while not any(r.updating for r in policy.service.replicas):
+            assert time.monotonic() < deadline and not push.done(), "the roll never started"
+            await asyncio.sleep(0.005)
+        victim = next(r for r in policy.service.replicas if r.updating)
+        _replica_process(victim.mesh_name).kill()
+
+        await asyncio.wait_for(push, 240)
+        groups = await asyncio.wait_for(asyncio.gather(*pending), 240)
+        assert len(groups) == len(prompts) and all(len(g.completions) == 4 for g in groups)
+        deadline = time.monotonic() + 180
+        while not (victim.generation == 1 and victim.state is ReplicaState.HEALTHY):
+            assert time.monotonic() < deadline, f"the killed replica did not come back ({victim.state})"
+            await asyncio.sleep(0.2)
+        assert [r.version for r in policy.service.replicas] == [1, 1]
+        assert await policy.version.fanout() == [1, 1]
+        assert not any(r.updating for r in policy.service.replicas)
+    finally:
+        await policy.shutdown()
