@@ -304,17 +304,24 @@ class EpisodeBatch(Packed):
 @dataclass(frozen=True)
 class SampleRequest:
     """``n`` samples of one prompt at sampling settings of the caller's own (evaluation: greedy
-    with ``temperature=0``, or ``n`` samples for pass@n), whatever the policy's training settings."""
+    with ``temperature=0``, or ``n`` samples for pass@n; a client of the OpenAI front door),
+    whatever the policy's training settings."""
 
     prompt: Prompt
     n: int = 1
     temperature: float = 0.0
     max_tokens: int = 16
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    """Stop strings (the text ends before the first one)."""
+    seed: int | None = None
+    """This request's sampling seed; None: the policy's (``prompt_seeds``, or its engine's stream)."""
 
     @property
-    def settings(self) -> tuple[int, float, int]:
-        """What must be equal for requests to share one engine call: ``(n, temperature, max_tokens)``."""
-        return self.n, self.temperature, self.max_tokens
+    def settings(self) -> tuple[int, float, int, float, tuple[str, ...]]:
+        """What must be equal for requests to share one engine call:
+        ``(n, temperature, max_tokens, top_p, stop)``."""
+        return self.n, self.temperature, self.max_tokens, self.top_p, self.stop
 
 
 @dataclass

@@ -103,6 +103,9 @@ class TinyModel:
     """Seed of the random init."""
     init_std: float = 0.02
     """Std of the normal weight init."""
+    chat_template: bool = False
+    """Give its tokenizer the Qwen chat template and its ``<|im_start|>``/``<|im_end|>`` tokens
+    (chat completions of the OpenAI front door)."""
 
 
 @dataclass(kw_only=True)

@@ -25,7 +25,13 @@ def make_model(section: ModelSection) -> Path:
 
         t = section.tiny
         make_tiny_model(
-            path, arch=t.arch, hidden_size=t.hidden_size, num_layers=t.num_layers, seed=t.seed, init_std=t.init_std
+            path,
+            arch=t.arch,
+            hidden_size=t.hidden_size,
+            num_layers=t.num_layers,
+            seed=t.seed,
+            init_std=t.init_std,
+            chat_template=t.chat_template,
         )
     elif not path.is_dir():
         raise FileNotFoundError(f"model.path {str(path)!r} is not a folder; point it at a Hugging Face checkpoint")

@@ -85,23 +85,7 @@ class MultiLoraPolicy(Policy):
         """``Policy.sample`` with the batch's adapter: held-out evaluation of one run beside its
         training. A multiplexed batch is keyed by the adapter alone, so it may mix settings (a
         greedy and a sampled request): one engine call per settings in the batch."""
-        by_settings: dict[tuple[int, float, int], list[int]] = {}
-        for i, request in enumerate(requests):
-            by_settings.setdefault(request.settings, []).append(i)
-        outputs: list[Any] = [None] * len(requests)
-        for (n, temperature, max_tokens), indices in by_settings.items():
-            prompts = [requests[i].prompt for i in indices]
-            sampled = await self._sample(
-                [p.text for p in prompts],
-                n,
-                "policy/sample_batch",
-                temperature=temperature,
-                max_tokens=max_tokens,
-                adapter=adapter,
-                seed=self.sample_seeds(prompts, adapter.version),
-            )
-            for i, completions in zip(indices, sampled):
-                outputs[i] = completions
+        outputs = await self._sample_requests(requests, adapter.version, adapter=adapter)
         return PackedGroups.pack([r.prompt for r in requests], outputs, adapter.version)
 
     @endpoint(batch=Batching(max_size=256, max_wait_s=0.002, debatch="unpack_turns"), multiplexed=True)

@@ -240,20 +240,41 @@ class Policy(ForgeActor):
     )
     async def sample(self, requests: list[SampleRequest]) -> PackedGroups:
         """``n`` completions of each request's prompt at its own settings (one engine call; a
-        batch holds requests of equal ``(n, temperature, max_tokens)``): held-out evaluation
-        beside training, on the weights being served. Through the service each caller gets a
-        ``PackedGroup`` of ``n`` completions."""
-        n, temperature, max_tokens = requests[0].settings
-        prompts = [r.prompt for r in requests]
-        outputs = await self._sample(
-            [p.text for p in prompts],
-            n,
-            "policy/sample_batch",
-            temperature=temperature,
-            max_tokens=max_tokens,
-            seed=self.sample_seeds(prompts, self.engine.version),
-        )
-        return PackedGroups.pack(prompts, outputs, self.engine.version)
+        batch holds requests of equal ``SampleRequest.settings``): held-out evaluation beside
+        training, or the OpenAI front door, on the weights being served. Through the service each
+        caller gets a ``PackedGroup`` of ``n`` completions."""
+        version = self.engine.version
+        outputs = await self._sample_requests(requests, version)
+        return PackedGroups.pack([r.prompt for r in requests], outputs, version)
+
+    async def _sample_requests(
+        self, requests: list[SampleRequest], version: int, adapter: Any = None
+    ) -> list[list[Completion]]:
+        """Each request's completions at its own settings: one engine call per distinct
+        ``settings`` in the batch, each request seeded by its own ``seed`` if it has one."""
+        by_settings: dict[tuple, list[int]] = {}
+        for i, request in enumerate(requests):
+            by_settings.setdefault(request.settings, []).append(i)
+        outputs: list[Any] = [None] * len(requests)
+        for (n, temperature, max_tokens, top_p, stop), indices in by_settings.items():
+            chosen = [requests[i] for i in indices]
+            prompts = [r.prompt for r in chosen]
+            policy_seeds = self.sample_seeds(prompts, version) or [None] * len(chosen)
+            seeds = [r.seed if r.seed is not None else s for r, s in zip(chosen, policy_seeds)]
+            sampled = await self._sample(
+                [p.text for p in prompts],
+                n,
+                "policy/sample_batch",
+                temperature=temperature,
+                max_tokens=max_tokens,
+                top_p=top_p,
+                stop=list(stop) if stop else None,
+                adapter=adapter,
+                seed=None if all(s is None for s in seeds) else seeds,
+            )
+            for i, completions in zip(indices, sampled):
+                outputs[i] = completions
+        return outputs
 
     @staticmethod
     def unpack_turns(packed: PackedTurns, n: int) -> list[TurnResult]:
@@ -278,11 +299,13 @@ class Policy(ForgeActor):
         *,
         temperature: float | None = None,
         max_tokens: int | None = None,
+        top_p: float | None = None,
+        stop: list[str] | None = None,
         adapter: Any = None,
-        seed: list[int] | None = None,
+        seed: list[int | None] | None = None,
     ) -> list[list[Completion]]:
         """``n`` samples of each input (text or token ids) at the configured sampling settings
-        (or the given ``temperature``/``max_tokens``), counted in the batch-size metric
+        (or the given ``temperature``/``max_tokens``/``top_p``/``stop``), counted in the batch-size metric
         ``batch_metric`` and ``policy/generate_s``. ``adapter``: a ``ServedAdapter`` to sample
         with (a multi-adapter policy's), instead of the engine's own weights. ``seed``: one per
         input (``prompt_seeds``); None: the engine's own stream."""
@@ -300,8 +323,8 @@ class Policy(ForgeActor):
                     n=n,
                     temperature=cfg.temperature if temperature is None else temperature,
                     max_tokens=cfg.max_tokens if max_tokens is None else max_tokens,
-                    top_p=cfg.top_p,
-                    stop=cfg.stop,
+                    top_p=cfg.top_p if top_p is None else top_p,
+                    stop=cfg.stop if stop is None else stop,
                     stop_token_ids=list(cfg.stop_token_ids),
                     seed=seed,
                     **named,

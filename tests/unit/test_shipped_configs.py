@@ -12,6 +12,7 @@ import pytest
 from apps.eval.config import EvalAppConfig
 from apps.grpo.config import GRPOConfig
 from apps.multi_lora.config import MultiLoraConfig
+from apps.serve.config import ServeConfig
 from apps.sft.config import SFTConfig
 from forge.config import load_config
 
@@ -26,10 +27,17 @@ SOURCES = [
     "apps/sft/main.py",
     "apps/eval/main.py",
     "apps/multi_lora/main.py",
+    "apps/serve/main.py",
     *sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml")),
 ]
-SCHEMAS = {"grpo": GRPOConfig, "sft": SFTConfig, "eval": EvalAppConfig, "multi_lora": MultiLoraConfig}
-_LAUNCHERS = re.compile(r"(?:(scripts/grpo\.sh)|-m apps\.(grpo|sft|eval|multi_lora)\.main)\b(.*)|^(--config\s.*)")
+SCHEMAS = {
+    "grpo": GRPOConfig,
+    "sft": SFTConfig,
+    "eval": EvalAppConfig,
+    "multi_lora": MultiLoraConfig,
+    "serve": ServeConfig,
+}
+_LAUNCHERS = re.compile(r"(?:(scripts/grpo\.sh)|-m apps\.(grpo|sft|eval|multi_lora|serve)\.main)\b(.*)|^(--config\s.*)")
 
 
 def _snippets(source: str) -> list[str]:
