@@ -15,7 +15,9 @@ Extensions, as vLLM names them: ``return_token_ids`` adds ``prompt_token_ids`` a
 ``token_ids``; every choice carries ``policy_version``, the weights version that sampled its oldest
 token. Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 for
 a bad value (naming the field), 401 for a wrong or missing API key, 404 for an unknown model, 429
-with ``Retry-After`` when the server or the service is full, 503 when no replica is up.
+with ``Retry-After`` when the server or the service is full, 503 when no replica is up (or every
+replica that held the request died: the service resends a request whose replica died first), 504
+past ``request_timeout_s``.
 """
 
 from __future__ import annotations
@@ -201,7 +203,8 @@ class PolicyFront:
     async def _sample(
         self, text: str, body: Any, max_tokens: int | None, session: str | None
     ) -> tuple[PackedGroup, list[int]]:
-        from forge.controller import NoHealthyReplica, Overloaded, RequestTimeout
+        from forge.controller import NoHealthyReplica, Overloaded, ReplicaFailed, RequestTimeout
+        from forge.describe import describe
 
         if getattr(body, "stream", False):
             raise OpenAIError(400, "stream: true is not served yet; ask without it", param="stream")
@@ -266,6 +269,10 @@ class PolicyFront:
             raise OpenAIError(
                 504, f"the policy did not answer within {self.settings.request_timeout_s:g} s", "timeout"
             ) from exc
+        except ReplicaFailed as exc:  # it died holding the request, and every resend did too
+            raise OpenAIError(503, describe(exc), "service_unavailable", headers={"Retry-After": "5"}) from exc
+        except Exception as exc:  # the engine refused the call: say why, in OpenAI's shape
+            raise OpenAIError(500, describe(exc), "server_error") from exc
         finally:
             self._serving -= 1
         self.served += 1

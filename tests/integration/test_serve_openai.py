@@ -27,6 +27,9 @@ KEY = "test-key"
 pytestmark = pytest.mark.timeout(300)
 
 
+SERVER_PID: list[int] = []
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The base URL of a running server; stopped with SIGTERM at the end, which it must take as
@@ -47,6 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    SERVER_PID[:] = [proc.pid]
     deadline = time.monotonic() + 180
     url = None
     while url is None:
@@ -156,3 +160,36 @@ async def test_a_thousand_requests_from_64_concurrent_clients_all_come_back(serv
 
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(64))), 240)
     assert sorted(answers) == list(range(1000))
+
+
+async def test_a_replica_killed_under_load_loses_no_request_and_the_server_stays_up(server: str) -> None:
+    """SIGKILL of one of the two policy replicas while 64 clients send 400 requests: every request
+    is answered (the service resends what the dead replica held), and the server still serves.
+    Last in the module: the killed replica restarts in the background."""
+    import httpx
+
+    from apps.grpo.faults import role_processes
+
+    client = _client(server)
+    queue = list(range(400))
+    answers: dict[int, str] = {}
+
+    async def worker() -> None:
+        while queue:
+            i = queue.pop()
+            done = await client.completions.create(model="tiny", prompt=f"{i}=", max_tokens=16, seed=i)
+            answers[i] = done.choices[0].text
+
+    async def kill_one() -> None:
+        while len(answers) < 100:
+            await asyncio.sleep(0.01)
+        replicas = role_processes(SERVER_PID[0], "policy")
+        assert len(replicas) == 2, replicas
+        replicas[0].kill()
+
+    await asyncio.wait_for(asyncio.gather(kill_one(), *(worker() for _ in range(64))), 240)
+    assert sorted(answers) == list(range(400))
+    done = await client.completions.create(model="tiny", prompt="1=", max_tokens=2)
+    assert done.choices
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(server.removesuffix("/v1") + "/health")).status_code == 200
