@@ -150,17 +150,7 @@ class PolicyFront:
             if body.logprobs is not None:
                 choice["logprobs"] = self._completion_logprobs(completion, body.logprobs)
             choices.append(self._extended(choice, completion, body))
-        response = CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.settings.model_name,
-            choices=choices,
-            usage=self._usage(prompt_ids, group),
-        ).model_dump(exclude_none=True)
-        if getattr(body, "return_token_ids", None):
-            response["prompt_token_ids"] = prompt_ids
-        response["choices"] = choices
-        return response
+        return self._response(CompletionResponse, "cmpl", choices, prompt_ids, group, body)
 
     async def chat(self, body: Any, session: str | None) -> dict[str, Any]:
         """``/v1/chat/completions``: the messages through the tokenizer's chat template."""
@@ -188,8 +178,15 @@ class PolicyFront:
             if body.logprobs:
                 choice["logprobs"] = {"content": self._chat_logprobs(completion)}
             choices.append(self._extended(choice, completion, body))
-        response = ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}",
+        return self._response(ChatCompletionResponse, "chatcmpl", choices, prompt_ids, group, body)
+
+    def _response(
+        self, cls: Any, prefix: str, choices: list[dict[str, Any]], prompt_ids: list[int], group: PackedGroup, body: Any
+    ) -> dict[str, Any]:
+        """The response body, checked by vLLM's protocol class ``cls``; the choices keep forge's
+        extensions (``policy_version``, ``token_ids``), and ``return_token_ids`` adds the prompt's."""
+        response = cls(
+            id=f"{prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=self.settings.model_name,
             choices=choices,

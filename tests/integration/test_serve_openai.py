@@ -147,18 +147,23 @@ async def test_a_wrong_or_missing_key_is_401(server: str) -> None:
     assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
 
 
-async def test_a_thousand_requests_from_64_concurrent_clients_all_come_back(server: str) -> None:
-    client = _client(server)
-    queue = list(range(1000))
-    answers: dict[int, str] = {}
+def _clients(url: str, requests: int, concurrency: int, max_tokens: int, answers: dict[int, str]) -> list:
+    """``concurrency`` clients taking ``requests`` prompts from one queue; each answer lands in ``answers``."""
+    client = _client(url)
+    queue = list(range(requests))
 
     async def worker() -> None:
         while queue:
             i = queue.pop()
-            done = await client.completions.create(model="tiny", prompt=f"{i}=", max_tokens=2, seed=i)
+            done = await client.completions.create(model="tiny", prompt=f"{i}=", max_tokens=max_tokens, seed=i)
             answers[i] = done.choices[0].text
 
-    await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(64))), 240)
+    return [worker() for _ in range(concurrency)]
+
+
+async def test_a_thousand_requests_from_64_concurrent_clients_all_come_back(server: str) -> None:
+    answers: dict[int, str] = {}
+    await asyncio.wait_for(asyncio.gather(*_clients(server, 1000, 64, 2, answers)), 240)
     assert sorted(answers) == list(range(1000))
 
 
@@ -171,14 +176,7 @@ async def test_a_replica_killed_under_load_loses_no_request_and_the_server_stays
     from apps.grpo.faults import role_processes
 
     client = _client(server)
-    queue = list(range(400))
     answers: dict[int, str] = {}
-
-    async def worker() -> None:
-        while queue:
-            i = queue.pop()
-            done = await client.completions.create(model="tiny", prompt=f"{i}=", max_tokens=16, seed=i)
-            answers[i] = done.choices[0].text
 
     async def kill_one() -> None:
         while len(answers) < 100:
@@ -187,7 +185,7 @@ async def test_a_replica_killed_under_load_loses_no_request_and_the_server_stays
         assert len(replicas) == 2, replicas
         replicas[0].kill()
 
-    await asyncio.wait_for(asyncio.gather(kill_one(), *(worker() for _ in range(64))), 240)
+    await asyncio.wait_for(asyncio.gather(kill_one(), *_clients(server, 400, 64, 16, answers)), 240)
     assert sorted(answers) == list(range(400))
     done = await client.completions.create(model="tiny", prompt="1=", max_tokens=2)
     assert done.choices
