@@ -170,3 +170,23 @@ def _signature_without_self(method: Callable[..., Any]) -> inspect.Signature | N
     except (TypeError, ValueError):
         return None
     return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def with_concurrent_batches(
+    endpoints: dict[str, EndpointSpec], overrides: dict[str, int], cls_name: str
+) -> dict[str, EndpointSpec]:
+    """``endpoints`` with ``options(concurrent_batches=...)`` applied: how many batches of each
+    named batched endpoint may be in flight to one replica (``Batching.max_concurrent_batches``)."""
+    out = dict(endpoints)
+    for name, batches in overrides.items():
+        spec = endpoints.get(name)
+        if spec is None or spec.batching is None:
+            batched = sorted(n for n, e in endpoints.items() if e.batching is not None)
+            raise ValueError(
+                f"options(concurrent_batches=...) names {name!r}, which is not a batched endpoint of {cls_name}; "
+                f"batched endpoints: {batched}"
+            )
+        out[name] = dataclasses.replace(
+            spec, batching=dataclasses.replace(spec.batching, max_concurrent_batches=batches)
+        )
+    return out

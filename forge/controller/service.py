@@ -38,7 +38,7 @@ from typing import Any
 
 from monarch.actor import MeshFailure
 
-from forge.controller.endpoint import EndpointSpec, endpoint_specs
+from forge.controller.endpoint import EndpointSpec, endpoint_specs, with_concurrent_batches
 from forge.controller.errors import NoHealthyReplica, Overloaded, ReplicaFailed, ServiceStopped, describe
 from forge.controller.messages import Call
 from forge.controller.metrics import service_metrics
@@ -90,26 +90,6 @@ def _check_arguments(name: str, spec: EndpointSpec, args: Sequence[Any], kwargs:
             spec.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"{name}{spec.signature}: {exc}") from None
-
-
-def with_concurrent_batches(
-    endpoints: dict[str, EndpointSpec], overrides: dict[str, int], cls_name: str
-) -> dict[str, EndpointSpec]:
-    """``endpoints`` with ``options(concurrent_batches=...)`` applied: how many batches of each
-    named batched endpoint may be in flight to one replica (``Batching.max_concurrent_batches``)."""
-    out = dict(endpoints)
-    for name, batches in overrides.items():
-        spec = endpoints.get(name)
-        if spec is None or spec.batching is None:
-            batched = sorted(n for n, e in endpoints.items() if e.batching is not None)
-            raise ValueError(
-                f"options(concurrent_batches=...) names {name!r}, which is not a batched endpoint of {cls_name}; "
-                f"batched endpoints: {batched}"
-            )
-        out[name] = dataclasses.replace(
-            spec, batching=dataclasses.replace(spec.batching, max_concurrent_batches=batches)
-        )
-    return out
 
 
 class Service:

@@ -568,9 +568,8 @@ def test_bad_weight_update_settings_fail_naming_the_value_and_what_is_expected()
 
 def test_concurrent_batches_override_an_endpoints_batching_and_name_a_batched_endpoint() -> None:
     from forge.actors.policy import Policy
-    from forge.controller.endpoint import endpoint_specs
+    from forge.controller.endpoint import endpoint_specs, with_concurrent_batches
     from forge.controller.options import ActorOptions
-    from forge.controller.service import with_concurrent_batches
 
     specs = endpoint_specs(Policy)
     assert specs["generate"].batching.max_concurrent_batches == 1
