@@ -82,6 +82,8 @@ class StepClock:
     """
 
     def __init__(self) -> None:
+        self.steps = 0
+        """Engine steps run so far."""
         self.last_step_end: float | None = None
         self._busy_s = 0.0
         self._open: tuple[float, float] | None = None  # (stall from, arrived)
@@ -99,6 +101,7 @@ class StepClock:
     def stepping(self, start: float, end: float) -> None:
         """A step ran from ``start`` to ``end``."""
         self._close(start)
+        self.steps += 1
         self._busy_s += end - start
         self.last_step_end = end
 
@@ -131,9 +134,6 @@ class EngineSteps:
         self._adapter_ids: dict[str, int] = {}  # request id -> the LoRA adapter it runs on (vLLM's id)
         self.clock = StepClock()
         """The engine's own step times (each step samples one token of every running sequence)."""
-        self.step_times: list[float] = []
-        """``time.monotonic()`` at the end of every step, while ``record_steps`` (tests). Cleared by the caller."""
-        self.record_steps = False
 
     @property
     def busy(self) -> bool:
@@ -180,8 +180,6 @@ class EngineSteps:
                 self._finished[out.request_id] = out
         end = time.monotonic()
         self.clock.stepping(start, end)
-        if self.record_steps:
-            self.step_times.append(end)
 
     def run(self, ids: list[str]) -> list[tuple[RequestOutput, list[SampleVersions]]]:
         """Step until the requests ``ids`` finish (other callers' requests step along)."""

@@ -361,22 +361,17 @@ async def _update_mid_generation(
 ) -> list[Completion]:
     """Sample 4 prompts x 4 on version 0 with ``generate_async``; after ``after_steps`` engine
     steps, another task loads ``weights`` as version 1 while the sequences are in flight."""
-    steps = engine.steps
-    steps.step_times.clear()
-    steps.record_steps = True
+    clock, start = engine.steps.clock, engine.steps.clock.steps
 
     async def update() -> None:
-        while len(steps.step_times) < after_steps:
+        while clock.steps - start < after_steps:
             await asyncio.sleep(0)  # runs between two engine steps
         engine.update_weights(weights, 1, keep_kv=keep_kv)
 
-    try:
-        groups, _ = await asyncio.wait_for(
-            asyncio.gather(engine.generate_async(PROMPTS[:4], n=4, temperature=1.0, max_tokens=40, seed=3), update()),
-            120,
-        )
-    finally:
-        steps.record_steps = False
+    groups, _ = await asyncio.wait_for(
+        asyncio.gather(engine.generate_async(PROMPTS[:4], n=4, temperature=1.0, max_tokens=40, seed=3), update()),
+        120,
+    )
     return _flat(groups)
 
 
@@ -428,23 +423,19 @@ async def test_a_batch_added_mid_generation_joins_the_running_one(batched_engine
         [c.token_ids.tolist() for c in g]
         for g in batched_engine.generate(PROMPTS[:4], n=1, temperature=0.0, max_tokens=MAX_TOKENS)
     ]
-    steps.step_times.clear()
-    steps.record_steps = True
+    start = steps.clock.steps
 
     async def later() -> list[list[Completion]]:
-        while len(steps.step_times) < 2:
+        while steps.clock.steps - start < 2:
             await asyncio.sleep(0)
         return await batched_engine.generate_async(PROMPTS[2:4], n=1, temperature=0.0, max_tokens=MAX_TOKENS)
 
-    try:
-        first, second = await asyncio.gather(
-            batched_engine.generate_async(PROMPTS[:2], n=1, temperature=0.0, max_tokens=MAX_TOKENS), later()
-        )
-    finally:
-        steps.record_steps = False
+    first, second = await asyncio.gather(
+        batched_engine.generate_async(PROMPTS[:2], n=1, temperature=0.0, max_tokens=MAX_TOKENS), later()
+    )
     assert [[c.token_ids.tolist() for c in g] for g in first + second] == alone
-    longest = max(len(t) for g in alone for t in g)
-    assert len(steps.step_times) < longest + 4, (len(steps.step_times), longest)
+    longest, ran = max(len(t) for g in alone for t in g), steps.clock.steps - start
+    assert ran < longest + 4, (ran, longest)
     assert not steps.busy
 
 
