@@ -35,7 +35,6 @@ on the replica every prompt shares ``generate``'s one batch queue.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import inspect
@@ -50,6 +49,7 @@ import torch
 from forge.actors.policy_batches import PackedGroups, PackedTurns
 from forge.controller import Batching, ForgeActor, endpoint
 from forge.generation.adapter_inbox import AdapterInbox
+from forge.generation.drain_gate import DrainGate
 from forge.generation.lora import serving_rank
 from forge.models.lora import LoraSettings
 from forge.observability import record_metric
@@ -182,13 +182,8 @@ class Policy(ForgeActor):
         self.config = config
         self.engine: Any = None  # forge.generation.VllmEngine or AsyncVllmEngine, made in setup
         self._adapters: AdapterInbox | None = None  # LoRA: where adapters sent as messages are written
-        self._generating = 0  # generate/sample/turn calls in flight (their endpoints are concurrent)
+        self._gate = DrainGate()  # generate/sample/turn calls in flight (their endpoints are concurrent)
         self._updates: list[tuple[float, float, int]] = []  # (arrived, loaded, version), time.monotonic()
-        self._drained: asyncio.Event = asyncio.Event()
-        self._drained.set()
-        self._admitting: asyncio.Event = asyncio.Event()  # cleared while a draining update waits and loads
-        self._admitting.set()
-        self._held = 0  # sampling calls waiting on _admitting
 
     @endpoint
     async def setup(self) -> None:
@@ -313,10 +308,9 @@ class Policy(ForgeActor):
         t0 = time.perf_counter()
         named = {} if adapter is None else {"adapter": adapter}
         # The batched engine steps with the event loop free between steps: an in-flight update
-        # lands there (drain: update_weights waits for _drained first).
+        # lands there (drain: update_weights waits for the calls in flight first).
         generate = getattr(self.engine, "generate_async", self.engine.generate)
-        await self._admitted()
-        with self._in_flight():
+        async with self._gate.calling():
             outputs = await _settle(
                 generate(
                     inputs,
@@ -336,17 +330,6 @@ class Policy(ForgeActor):
         self._record_engine_time()
         return outputs
 
-    async def _admitted(self) -> None:
-        """Wait while a draining update holds new work (it waits for the calls in flight, then
-        loads): without the hold, calls arriving meanwhile could keep it waiting forever."""
-        if self._admitting.is_set():
-            return
-        self._held += 1
-        try:
-            await self._admitting.wait()
-        finally:
-            self._held -= 1
-
     def _record_engine_time(self) -> None:
         """The engine's busy seconds and the update stalls measured since the last record
         (``policy/engine_busy_s``, ``policy/update_stall_s``, ``policy/update_hold_s``, sums;
@@ -364,18 +347,6 @@ class Policy(ForgeActor):
         """The batched engine's ``StepClock``; None for the async engine."""
         steps = getattr(self.engine, "steps", None)
         return None if steps is None else steps.clock
-
-    @contextlib.contextmanager
-    def _in_flight(self) -> Any:
-        """Counts a generation in flight, for a draining update to wait on."""
-        self._generating += 1
-        self._drained.clear()
-        try:
-            yield
-        finally:
-            self._generating -= 1
-            if self._generating == 0:
-                self._drained.set()
 
     def sample_seeds(self, prompts: list[Prompt], version: int) -> list[int] | None:
         """Each prompt's sampling seed on weights ``version`` with ``prompt_seeds``, else None."""
@@ -418,14 +389,8 @@ class Policy(ForgeActor):
         """
         t0, arrived = time.perf_counter(), time.monotonic()
         draining = self.config.weight_updates == "drain"  # no sequence spans two versions
-        if draining:
-            self._admitting.clear()
-        try:
-            if draining:
-                await self._drained.wait()
+        async with self._gate.draining() if draining else contextlib.nullcontext():
             await self._load(state_dict, version, arrived)
-        finally:
-            self._admitting.set()
         seconds = time.perf_counter() - t0
         record_metric("policy/update_weights_s", seconds, "sum")
         self._updates = [*self._updates[-99:], (arrived, time.monotonic(), version)]
@@ -439,7 +404,7 @@ class Policy(ForgeActor):
         try:
             await self._load_weights(state_dict, version)
         finally:
-            if clock is not None and not self._held and not self.engine.steps.busy:
+            if clock is not None and not self._gate.held and not self.engine.steps.busy:
                 clock.close_now()  # nothing waits for a step: the stall ends with the load
             self._record_engine_time()
 
@@ -469,7 +434,7 @@ class Policy(ForgeActor):
     @endpoint
     async def in_flight(self) -> int:
         """How many sampling calls (batches) the replica is generating now."""
-        return self._generating
+        return self._gate.in_flight
 
     @endpoint
     async def version(self) -> int:

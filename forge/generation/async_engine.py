@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from forge.generation.drain_gate import DrainGate
 from forge.generation.vllm_engine import configure_vllm_env
 from forge.generation.vllm_io import (
     Prompts,
@@ -77,12 +78,7 @@ class AsyncVllmEngine:
         self._tied = tied_embeddings
         self._version = 0
         self._request_ids = itertools.count()
-        # Weight updates against generate calls: an update holds the lock and waits for the
-        # calls in flight to drain; a new call takes the lock briefly to register.
-        self._update_lock = asyncio.Lock()
-        self._in_flight = 0
-        self._drained = asyncio.Event()
-        self._drained.set()
+        self._gate = DrainGate()  # an update waits for the generate calls in flight and holds new ones
 
     @classmethod
     async def create(
@@ -159,22 +155,16 @@ class AsyncVllmEngine:
             return []
         inputs = token_prompts(prompts, self._tokenizer)
         per_prompt = params if isinstance(params, list) else [params] * len(inputs)
-        async with self._update_lock:  # waits while an update is loading
-            self._in_flight += 1
-            self._drained.clear()
+        async with self._gate.calling():  # waits while an update is loading
             version = self._version
-        tasks = [asyncio.ensure_future(self._one(p, sp)) for p, sp in zip(inputs, per_prompt)]
-        try:
-            outputs = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)  # their aborts reach vLLM
-            raise
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._drained.set()
+            tasks = [asyncio.ensure_future(self._one(p, sp)) for p, sp in zip(inputs, per_prompt)]
+            try:
+                outputs = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)  # their aborts reach vLLM
+                raise
         return to_completions(outputs, version, decode_with=None if stop else self._tokenizer)
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -185,8 +175,7 @@ class AsyncVllmEngine:
         """
         weights = checked_weights(state_dict, version, self._weight_spec, self._tied)
         blob = safetensors_blob(weights)
-        async with self._update_lock:
-            await self._drained.wait()
+        async with self._gate.draining():
             await self.engine.collective_rpc("forge_load_safetensors", args=(blob,))
             if not await self.engine.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
