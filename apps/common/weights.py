@@ -105,11 +105,11 @@ class PolicyWeights:
         serving on; a replica that dies meanwhile restarts and resyncs to the served version."""
         from forge.observability import record_metric
 
-        replicas = list(self._service().healthy_replicas())
-        wave = max(1, int(self.max_updating or 1))
+        service = self._service()
+        replicas = list(service.healthy_replicas())
+        wave = max(1, self.max_updating)
         for start in range(0, len(replicas), wave):
             group = [r for r in replicas[start : start + wave] if r.accepting]
-            service = self._service()
             for replica in group:  # new work goes to the others while these load
                 service.record_updating(replica)
             loads = [r.actor_mesh.update_weights.call(weights, version) for r in group]
@@ -119,8 +119,7 @@ class PolicyWeights:
                 )
             finally:
                 for replica in group:
-                    if replica in service.replicas:
-                        service.record_updating(replica, False)
+                    service.record_updating(replica, False)
             for replica, result in zip(group, results):
                 if isinstance(result, BaseException):  # died or hung mid-load: its restart resyncs it
                     record_metric("weight_sync/interrupted", 1, "sum")
