@@ -24,15 +24,27 @@ from forge.types import Prompt  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
+async def _rolling_policy(config: PolicyConfig, replicas: int, **options: object) -> object:
+    """A policy service of ``replicas`` whose ``generate`` prefers the newest version (as the GRPO
+    app routes it in rolling mode)."""
+    routers = {"endpoint_routers": {"generate": NewestVersion(KeyAffinity())}}
+    return await Policy.options(num_replicas=replicas, env={"OMP_NUM_THREADS": "1"}, **routers, **options).as_service(
+        config
+    )
+
+
+def _rolling_weights(policy: object, folder: Path) -> PolicyWeights:
+    """The rolling weight sync of ``policy``, one replica at a time, with no trainer (the tests push)."""
+    return PolicyWeights(None, policy, "message", str(folder), resync_timeout_s=120.0, max_updating=1)
+
+
 async def test_a_rolling_push_loads_one_replica_at_a_time_while_the_others_serve(
     tiny_model_dir: Path, tiny_model_dir_alt: Path, tmp_path: Path
 ) -> None:
     config = PolicyConfig(model_path=str(tiny_model_dir), group_size=4, max_tokens=120, max_model_len=192)
-    policy = await Policy.options(
-        num_replicas=3, env={"OMP_NUM_THREADS": "1"}, endpoint_routers={"generate": NewestVersion(KeyAffinity())}
-    ).as_service(config)
+    policy = await _rolling_policy(config, 3)
     try:
-        weights = PolicyWeights(None, policy, "message", str(tmp_path), resync_timeout_s=120.0, max_updating=1)
+        weights = _rolling_weights(policy, tmp_path)
         prompts = [Prompt(prompt_id=str(i), text=f"{i}{i}=", answer="") for i in range(12)]
         pending = [asyncio.ensure_future(policy.generate.route(p, key=p.text)) for p in prompts]
         await asyncio.sleep(0.2)  # the replicas are generating when the push starts
@@ -77,7 +89,7 @@ async def test_a_session_keeps_its_replica_across_a_rolling_update(
     config = PolicyConfig(model_path=str(tiny_model_dir), group_size=1, max_tokens=40, max_model_len=192)
     policy = await Policy.options(num_replicas=2, env={"OMP_NUM_THREADS": "1"}, **routers).as_service(config)
     try:
-        weights = PolicyWeights(None, policy, "message", str(tmp_path), resync_timeout_s=120.0, max_updating=1)
+        weights = _rolling_weights(policy, tmp_path)
         histories = {f"s{i}": torch.tensor([3 + i, 4, 5 + i]) for i in range(6)}
         home: dict[str, int] = {}
 
@@ -124,11 +136,9 @@ async def test_a_rolling_push_of_weights_that_fail_validation_stops_naming_the_v
     from apps.common.roles import RoleFailed
 
     config = PolicyConfig(model_path=str(tiny_model_dir), group_size=2, max_tokens=8, max_model_len=64)
-    policy = await Policy.options(
-        num_replicas=2, env={"OMP_NUM_THREADS": "1"}, endpoint_routers={"generate": NewestVersion(KeyAffinity())}
-    ).as_service(config)
+    policy = await _rolling_policy(config, 2)
     try:
-        weights = PolicyWeights(None, policy, "message", str(tmp_path), resync_timeout_s=120.0, max_updating=1)
+        weights = _rolling_weights(policy, tmp_path)
         bad = load_file(str(tiny_model_dir / "model.safetensors"))
         name = next(n for n, t in bad.items() if t.dim() == 2)
         bad[name] = torch.zeros(bad[name].shape[0] + 1, bad[name].shape[1])
@@ -172,14 +182,9 @@ async def test_a_replica_killed_during_its_rolling_update_restarts_on_the_new_ve
     from forge.controller import ReplicaState
 
     config = PolicyConfig(model_path=str(tiny_model_dir), group_size=4, max_tokens=120, max_model_len=192)
-    policy = await Policy.options(
-        num_replicas=2,
-        env={"OMP_NUM_THREADS": "1"},
-        endpoint_routers={"generate": NewestVersion(KeyAffinity())},
-        restart_backoff_s=0.1,
-    ).as_service(config)
+    policy = await _rolling_policy(config, 2, restart_backoff_s=0.1)
     try:
-        weights = PolicyWeights(None, policy, "message", str(tmp_path), resync_timeout_s=120.0, max_updating=1)
+        weights = _rolling_weights(policy, tmp_path)
         policy.set_resync(weights.resync)
         prompts = [Prompt(prompt_id=str(i), text=f"{i}{i}=", answer="") for i in range(12)]
         pending = [asyncio.ensure_future(policy.generate.route(p, key=p.text)) for p in prompts]
