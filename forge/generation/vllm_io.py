@@ -74,6 +74,27 @@ def engine_args(
     return args
 
 
+class SamplingError(ValueError):
+    """A sampling argument out of range; ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_sampling(n: int, temperature: float, max_tokens: int, top_p: float) -> None:
+    """``SamplingError`` naming the first argument out of range: what every engine call checks,
+    and what a front door checks before a request joins a batch (one bad request fails a call)."""
+    if n < 1:
+        raise SamplingError("n", f"n must be >= 1, got {n}")
+    if max_tokens < 1:
+        raise SamplingError("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
+    if temperature < 0:
+        raise SamplingError("temperature", f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise SamplingError("top_p", f"top_p must be in (0, 1], got {top_p}")
+
+
 def sampling_params(
     num_prompts: int,
     n: int,
@@ -92,14 +113,7 @@ def sampling_params(
     """
     if isinstance(seed, list) and len(seed) != num_prompts:
         raise ValueError(f"seed lists {len(seed)} seeds for {num_prompts} prompts; give one per prompt")
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_sampling(n, temperature, max_tokens, top_p)
     bad = [t for t in stop_token_ids or () if isinstance(t, bool) or not isinstance(t, int) or t < 0]
     if bad:
         raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {bad[0]!r}")

@@ -31,6 +31,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from forge.generation.vllm_io import SamplingError, check_sampling
 from forge.types import PackedGroup, Prompt, SampleRequest
 
 __all__ = ["FrontSettings", "OpenAIError", "make_app"]
@@ -205,27 +206,20 @@ class PolicyFront:
 
         if getattr(body, "stream", False):
             raise OpenAIError(400, "stream: true is not served yet; ask without it", param="stream")
-        top = getattr(body, "top_logprobs", None) or 0
-        if top > 0 or (
-            isinstance(getattr(body, "logprobs", None), int)
-            and not isinstance(body.logprobs, bool)
-            and body.logprobs > 1
-        ):
+        top = getattr(body, "top_logprobs", None) or 0  # chat
+        alternatives = body.logprobs if type(body.logprobs) is int else 0  # completions (chat's is a bool)
+        if top > 0 or alternatives > 1:
             raise OpenAIError(
                 400, "only the sampled tokens' logprobs are served (logprobs <= 1, no top_logprobs)", param="logprobs"
             )
         n = body.n if body.n is not None else 1
-        if n < 1:
-            raise OpenAIError(400, f"n must be at least 1, got {n}", param="n")
         max_tokens = self.settings.default_max_tokens if max_tokens is None else max_tokens
-        if max_tokens < 1:
-            raise OpenAIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         temperature = 1.0 if body.temperature is None else float(body.temperature)
         top_p = 1.0 if body.top_p is None else float(body.top_p)
-        if temperature < 0:
-            raise OpenAIError(400, f"temperature must be >= 0, got {temperature}", param="temperature")
-        if not 0 < top_p <= 1:
-            raise OpenAIError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
+        try:
+            check_sampling(n, temperature, max_tokens, top_p)
+        except SamplingError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from None
         stop = body.stop or ()
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         prompt_ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
