@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,17 +170,25 @@ async def serve_mode(mode: str, args: argparse.Namespace, folder: Path) -> dict[
     def total(name: str) -> float:
         return sum(value for n, value, _ in records if n == name)
 
-    stalls = total("policy/update_stalls")
     figures = {
-        "policy_stall_s_per_update": total("policy/update_stall_s") / stalls if stalls else 0.0,
-        "policy_hold_s_per_update": total("policy/update_hold_s") / stalls if stalls else 0.0,
-        "updates_timed": stalls,
+        **engine_figures(total, elapsed),
         "tokens_per_s": counts["tokens"] / elapsed,
         "groups_per_s": counts["groups"] / elapsed,
-        "policy_busy_fraction": total("policy/engine_busy_s") / (REPLICAS * elapsed),
     }
     print(f"  policy_only/{mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()), flush=True)
     return figures
+
+
+def engine_figures(total: Callable[[str], float], window_s: float) -> dict[str, float]:
+    """The replicas' own figures over ``window_s`` seconds: stall and hold per update, updates
+    timed, busy fraction; ``total(name)`` sums a policy metric over the run."""
+    stalls = total("policy/update_stalls")
+    return {
+        "policy_stall_s_per_update": total("policy/update_stall_s") / stalls if stalls else 0.0,
+        "policy_hold_s_per_update": total("policy/update_hold_s") / stalls if stalls else 0.0,
+        "updates_timed": stalls,
+        "policy_busy_fraction": total("policy/engine_busy_s") / (REPLICAS * window_s),
+    }
 
 
 def mode_figures(rows: list[dict]) -> dict[str, float]:
@@ -192,16 +201,11 @@ def mode_figures(rows: list[dict]) -> dict[str, float]:
         values = [float(r[name]) for r in rows if name in r]
         return sum(values) / len(values) if values else 0.0
 
-    step_s = total("step_time_s")
     window = rows[-1]["wall_s"] - (rows[0]["wall_s"] - rows[0]["step_time_s"])
-    stalls = total("policy/update_stalls")
     last = [r["reward_mean"] for r in rows[-10:]]
     return {
-        "policy_stall_s_per_update": total("policy/update_stall_s") / stalls if stalls else 0.0,
-        "policy_hold_s_per_update": total("policy/update_hold_s") / stalls if stalls else 0.0,
-        "updates_timed": stalls,
-        "steps_per_s": len(rows) / step_s,
-        "policy_busy_fraction": total("policy/engine_busy_s") / (REPLICAS * window),
+        **engine_figures(total, window),
+        "steps_per_s": len(rows) / total("step_time_s"),
         "reward_last10": sum(last) / len(last),
         "token_age_mean": mean("policy/token_age_mean"),
         "spanning_fraction": mean("policy/spanning_fraction"),
