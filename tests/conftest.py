@@ -16,6 +16,14 @@ from forge.controller.provisioner import install_fault_hook  # noqa: E402
 
 install_fault_hook()
 
+# A suite started in the background of a script (``bash scripts/test.sh &``) inherits SIGINT ignored, and so would
+# every app it starts: the Ctrl-C test's app would then run to its end and exit 0. Ctrl-C reaches a foreground
+# process whose SIGINT is not ignored; the apps the tests start get that disposition back.
+import signal  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # Skips are not passes: a skip that hides a test the machine should run fails the run (tests/skip_policy.py).
 pytest_plugins = ["tests.skip_policy"]
 
