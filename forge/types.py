@@ -316,6 +316,15 @@ class SampleRequest:
     """Stop strings (the text ends before the first one)."""
     seed: int | None = None
     """This request's sampling seed; None: the policy's (``prompt_seeds``, or its engine's stream)."""
+    prompt_ids: tuple[int, ...] | None = None
+    """The prompt as token ids, sent to the engine as they are (``prompt.text`` is then only a label):
+    the front door's session turns, whose history holds the model's own tokens as it sampled them.
+    None: the engine tokenises ``prompt.text``."""
+
+    @property
+    def engine_input(self) -> str | list[int]:
+        """What the engine samples from: the ids if the request has them, else the text."""
+        return self.prompt.text if self.prompt_ids is None else list(self.prompt_ids)
 
     @property
     def settings(self) -> tuple[int, float, int, float, tuple[str, ...]]:

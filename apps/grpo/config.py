@@ -112,8 +112,16 @@ class RolloutSection:
     the policy, reward, reference (and env) requests of the groups it is sent, so the controller
     sends one request per group. null: the controller makes every group itself. Between 1 and
     the prompts in flight (``concurrency``)."""
+    agent: str = ""
+    """``package.module:fn``: train an agent, ``async def fn(client, prompt) -> float``, that talks to
+    the policy through forge's OpenAI front door (``apps.grpo.agents``; examples in
+    ``forge.envs.agents``). Empty: no agent (single-turn, or ``env.cls``'s multi-turn)."""
+    agent_timeout_s: float = 120.0
+    """Longest one agent episode may run; past it the episode fails alone, with a warning."""
 
     def __post_init__(self) -> None:
+        if not self.agent_timeout_s > 0:
+            raise ValueError(f"rollout.agent_timeout_s must be a number of seconds > 0, got {self.agent_timeout_s}")
         bound = self.max_dropped_per_step
         if bound is not None and bound < 0:
             raise ValueError(
@@ -314,6 +322,15 @@ class GRPOConfig(TrainingSections):
             raise ValueError(f"env.max_turns must be >= 1, got {env.max_turns}")
         if not env.step_timeout_s > 0:
             raise ValueError(f"env.step_timeout_s must be a number of seconds > 0, got {env.step_timeout_s}")
+        if self.rollout.agent:
+            from apps.grpo.agents import load_agent
+
+            if env.cls:
+                raise ValueError(
+                    f"rollout.agent ({self.rollout.agent!r}) and env.cls ({env.cls!r}) both make the episodes; "
+                    "set one of them"
+                )
+            load_agent(self.rollout.agent)  # a name that does not import fails here, not in the first group
 
     def _check_placement(self) -> None:
         """Hosts and GPUs of each role: sizes, and vLLM's tensor parallelism inside one process."""
@@ -379,8 +396,11 @@ class GRPOConfig(TrainingSections):
     @property
     def max_response_tokens(self) -> int:
         """The most trained tokens one episode can have: ``policy.max_tokens``, times
-        ``env.max_turns`` for multi-turn (environment tokens are not trained). The trainer's
-        constant length for ``trainer.loss_type`` ``dr_grpo``."""
+        ``env.max_turns`` for multi-turn (environment tokens are not trained), ``policy.max_model_len``
+        for an agent's (its turns are its own). The trainer's constant length for ``trainer.loss_type``
+        ``dr_grpo``."""
+        if self.rollout.agent:
+            return self.policy.max_model_len
         return self.policy.max_tokens * (self.env.max_turns if self.env.cls else 1)
 
     def check_weight_sync_space(self, model_dir: str | Path) -> None:

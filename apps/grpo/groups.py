@@ -8,7 +8,8 @@ A group maker turns one prompt into ``group_size`` scored episodes::
            -> EpisodeBatch.of_group: the scored group, packed, on its way to the buffer
 
 ``SingleTurnGroups`` (here) is the one above. ``MultiTurnGroups`` (``apps.grpo.multiturn``) plays
-each completion as a conversation with an environment service first. Everything around a maker
+each completion as a conversation with an environment service first; ``AgentGroups``
+(``apps.grpo.agents``) runs a user's agent through the OpenAI front door. Everything around a maker
 is scheduling, and it lives elsewhere:
 
 - ``apps.grpo.rollouts.Rollouts`` draws the prompts, keeps enough groups in flight (backpressure),
@@ -32,6 +33,7 @@ import torch
 
 from apps.common.launch import Roles
 from apps.common.roles import RoleFailed, call_role
+from apps.grpo.agents import AgentGroups, AgentSettings
 from apps.grpo.multiturn import MultiTurnGroups
 from forge.actors import prompt_key
 from forge.actors.reference_model import ResponseGroup
@@ -61,18 +63,28 @@ class GroupSettings:
     group_size: int
     multiturn: dict[str, int] | None = None
     """``max_turns``, ``max_tokens`` and ``max_model_len`` of a multi-turn run; None: single-turn."""
+    agent: AgentSettings | None = None
+    """An agent run's (``rollout.agent``); None: no agent."""
 
     @classmethod
-    def from_config(cls, cfg: GRPOConfig) -> GroupSettings:
-        multiturn = None
+    def from_config(cls, cfg: GRPOConfig, model_path: str) -> GroupSettings:
+        """The run's settings; ``model_path`` is the policy's checkpoint (an agent's tokenizer)."""
+        multiturn = agent = None
+        p = cfg.policy
         if cfg.env.cls:
-            limits = (cfg.env.max_turns, cfg.policy.max_tokens, cfg.policy.max_model_len)
+            limits = (cfg.env.max_turns, p.max_tokens, p.max_model_len)
             multiturn = dict(zip(("max_turns", "max_tokens", "max_model_len"), limits))
-        return cls(cfg.group_size, multiturn)
+        if cfg.rollout.agent:
+            timeout = cfg.rollout.agent_timeout_s
+            agent = AgentSettings(cfg.rollout.agent, timeout, model_path, p.max_model_len, p.max_tokens, p.temperature)
+        return cls(cfg.group_size, multiturn, agent)
 
 
 def group_maker(roles: Roles, settings: GroupSettings) -> GroupMaker:
-    """The run's group maker over ``roles``: multi-turn when the run has an environment."""
+    """The run's group maker over ``roles``: an agent's, a multi-turn one when the run has an
+    environment, else single-turn."""
+    if settings.agent is not None:
+        return AgentGroups(roles, settings.group_size, settings.agent)
     if settings.multiturn is None:
         return SingleTurnGroups(roles, settings.group_size)
     return MultiTurnGroups(roles, settings.group_size, **settings.multiturn)

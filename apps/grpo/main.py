@@ -109,7 +109,7 @@ async def run(cfg: GRPOConfig, terminal: Any, resume_from: Path | None = None) -
         # A restarted policy replica loads the weights the others serve before it takes traffic.
         roles.policy.set_resync(resources.weights.resync)
         if cfg.rollout.workers:  # the groups are made in worker processes (rollout_workers.py)
-            workers, settings = cfg.rollout.workers, GroupSettings.from_config(cfg)
+            workers, settings = cfg.rollout.workers, GroupSettings.from_config(cfg, model_path)
             roles.rollout, views = await start_rollout_workers(roles, workers, settings, **fault_options(cfg))
         watches = []
         pool = resources.host_pool

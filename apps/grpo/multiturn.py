@@ -21,7 +21,7 @@ rewards (the sum of each trajectory's step rewards).
 Failures: a trajectory whose environment raises, returns a malformed step, hangs past
 ``env.step_timeout_s`` or does not finish within ``env.max_turns`` fails alone, with a warning
 naming the session and the cause; the group trains on the others. A group all of whose
-trajectories failed is tried again with the same prompt (``MAX_GROUP_TRIES`` times, then the
+trajectories failed is tried again with the same prompt (``apps.grpo.trajectory_groups``: a few times, then the
 run stops: the environment is broken, not unlucky). A policy or env replica that dies makes the
 whole group be generated again, as in single-turn rollouts: a policy turn resent to a restarted
 replica just misses its prefix cache, but an env step resent to a restarted env replica finds
@@ -35,24 +35,14 @@ import itertools
 import logging
 import time
 
-import torch
-
 from apps.common.launch import Roles
 from apps.common.roles import RoleFailed, call_role
+from apps.grpo.trajectory_groups import TrajectoryFailed, failed, play_group, score_group
 from forge.controller import ReplicaFailed
 from forge.envs import Action, EnvError, ResetRequest, SessionKey, StepRequest, Trajectory, UnknownSession
-from forge.losses import group_advantages
-from forge.observability import record_metric
 from forge.types import EpisodeBatch, Prompt, TurnRequest
 
 logger = logging.getLogger("forge.grpo")
-
-MAX_GROUP_TRIES = 3
-"""Tries of a group whose every trajectory failed before the run stops."""
-
-
-class TrajectoryFailed(Exception):
-    """One trajectory cannot go on (its environment failed, or it ran out of turns or context)."""
 
 
 class MultiTurnGroups:
@@ -72,49 +62,12 @@ class MultiTurnGroups:
     async def make(self, prompt: Prompt, group_id: str) -> EpisodeBatch:
         """``group_size`` trajectories of ``prompt`` -> reference logprobs -> scored episodes."""
         t0 = time.perf_counter()
-        for attempt in range(1, MAX_GROUP_TRIES + 1):
-            tries = [self.trajectory(prompt, group_id) for _ in range(self.group_size)]
-            results = await asyncio.gather(*tries, return_exceptions=True)
-            for result in results:
-                # A dying replica (recoverable): the caller generates the whole group again.
-                # Anything else that is not the environment's fault stops the run.
-                if isinstance(result, BaseException) and not isinstance(result, TrajectoryFailed):
-                    raise result
-            done = [r for r in results if isinstance(r, Trajectory)]
-            failed = [r for r in results if isinstance(r, TrajectoryFailed)]
-            self.failed_trajectories += len(failed)
-            if failed:
-                record_metric("rollout/failed_trajectories", len(failed), "sum")
-            if done:
-                break
-            logger.error(
-                "group %s: all %d trajectories failed (try %d of %d); last: %s",
-                group_id,
-                len(failed),
-                attempt,
-                MAX_GROUP_TRIES,
-                failed[-1],
-            )
-        else:
-            raise RoleFailed(
-                "env", f"every trajectory of group {group_id} failed {MAX_GROUP_TRIES} times: {failed[-1]}"
-            )
-        t1 = time.perf_counter()
-        if self.roles.reference is None:  # reference.from_base: the trainer scores the base itself
-            ref_logprobs = [torch.zeros(t.response_ids.shape, dtype=torch.float32) for t in done]
-        else:
-            ref_logprobs = await call_role(
-                "reference", self.roles.reference.logprobs.route_many([(t.prompt_ids, t.response_ids) for t in done])
-            )
-        rewards = torch.tensor([t.reward for t in done], dtype=torch.float32)
-        advantages = group_advantages(rewards)
-        record_metric("rollout/generate_latency_s", t1 - t0)
-        record_metric("rollout/score_latency_s", time.perf_counter() - t1)
-        record_metric("rollout/turns", sum(t.turns for t in done) / len(done))
-        record_metric("rollout/tokens_per_trajectory", sum(t.length for t in done) / len(done))
-        return EpisodeBatch.pack(
-            [t.to_episode(group_id, ref, float(a)) for t, ref, a in zip(done, ref_logprobs, advantages.tolist())]
-        )
+        runs, failures = await play_group(lambda: self._run(prompt, group_id), self.group_size, group_id, "env")
+        self.failed_trajectories += failures
+        return await score_group(self.roles, group_id, runs, t0)
+
+    async def _run(self, prompt: Prompt, group_id: str) -> list[Trajectory]:
+        return [await self.trajectory(prompt, group_id)]
 
     async def trajectory(self, prompt: Prompt, group_id: str) -> Trajectory:
         """Play one episode to its end; ``TrajectoryFailed`` (logged) if it cannot finish."""
@@ -150,17 +103,13 @@ class MultiTurnGroups:
                 # the whole group is played again (``groups.make_with_retries``).
                 raise RoleFailed("env", ReplicaFailed(f"session {session}: {exc.error}")) from exc
             if isinstance(exc.error, EnvError):
-                raise self._failed(TrajectoryFailed(str(exc.error))) from exc
+                raise failed(TrajectoryFailed(str(exc.error))) from exc
             raise
         except TrajectoryFailed as exc:
-            raise self._failed(exc) from None
+            raise failed(exc) from None
         finally:
             if traj is None or not traj.done:  # the env keeps a finished episode no longer
                 await self._close(session)
-
-    def _failed(self, error: TrajectoryFailed) -> TrajectoryFailed:
-        logger.warning("trajectory failed (the run goes on without it): %s", error)
-        return error
 
     async def _close(self, session: str) -> None:
         """End the session's episode on the env replicas, whichever holds it; never raises."""

@@ -48,8 +48,11 @@ def role_specs(cfg: GRPOConfig, model_path: str, weights_dir: str | None = None)
         from forge.controller.versions import NewestVersion
 
         generate = NewestVersion(KeyAffinity())
+    endpoint_routers: dict[str, Any] = {"generate": generate, "generate_turn": SessionAffinity}
+    if cfg.rollout.agent:  # an agent's turns (the front door's ``sample`` calls) go to the replica holding its prefix
+        endpoint_routers["sample"] = "key_affinity"
     routers = {
-        "endpoint_routers": {"generate": generate, "generate_turn": SessionAffinity},
+        "endpoint_routers": endpoint_routers,
         "concurrent_batches": {"generate": p.concurrent_batches},
     }
     specs = [

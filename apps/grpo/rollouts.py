@@ -187,9 +187,9 @@ class Rollouts:
         self._writes = Batcher(writes, self._add_many, name="grpo-buffer-writes")
 
     @classmethod
-    def from_config(cls, cfg: GRPOConfig, roles: Roles) -> Rollouts:
+    def from_config(cls, cfg: GRPOConfig, roles: Roles, model_path: str) -> Rollouts:
         """The run's rollouts: its group maker here, or its rollout workers' (``roles.rollout``)."""
-        maker = None if roles.rollout is not None else group_maker(roles, GroupSettings.from_config(cfg))
+        maker = None if roles.rollout is not None else group_maker(roles, GroupSettings.from_config(cfg, model_path))
         return cls(
             roles,
             maker,

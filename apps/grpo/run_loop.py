@@ -96,7 +96,7 @@ class TrainingRun:
             self.startup_s = time.perf_counter() - self.started
             resume_after = None if resume_from is None else step
             self.log = RunLog(cfg, self.terminal, resume_after=resume_after, started=self.started)
-            rollouts = Rollouts.from_config(cfg, roles)  # its groups: groups.py (single-turn) or multiturn.py
+            rollouts = Rollouts.from_config(cfg, roles, self.model_path)  # its groups: groups.py
             restarts = TrainerRestarts(cfg, self.model_path, roles, self.resources, watch)
             tasks += [asyncio.create_task(watch.watch_services(roles.services()), name="service-watch")]
             tasks += rollouts.start()

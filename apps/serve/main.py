@@ -13,7 +13,6 @@ the server, then the replicas.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +28,11 @@ if TYPE_CHECKING:
 
 async def run(cfg: ServeConfig, terminal: Any, resume_from: Any = None) -> str:
     """Start the policy service and the HTTP server; serve until a signal; stop both."""
-    import uvicorn
     from transformers import AutoTokenizer
 
     from forge.actors import Policy
     from forge.serving import FrontSettings, make_app
+    from forge.serving.server import start_server
 
     cli.record_config(cfg, terminal, "serve")
     model_path = make_model(cfg.model).resolve()
@@ -63,17 +62,9 @@ async def run(cfg: ServeConfig, terminal: Any, resume_from: Any = None) -> str:
             request_timeout_s=s.request_timeout_s,
         )
         app = make_app(policy, tokenizer, settings)
-        server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="warning", lifespan="off"))
-        serving = asyncio.create_task(server.serve(), name="http-server")
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.05)
-        if serving.done():
-            serving.result()  # the bind failed: its error
-            raise RuntimeError(f"the server did not start on {s.host}:{s.port}")
-        port = server.servers[0].sockets[0].getsockname()[1]
-        host = f"[{s.host}]" if ":" in s.host else s.host
-        print(f"serving {settings.model_name!r} at http://{host}:{port}/v1", flush=True)
-        await serving  # until SIGINT or SIGTERM (uvicorn's handlers)
+        running = await start_server(app, s.host, s.port, own_signals=True)
+        print(f"serving {settings.model_name!r} at {running.base_url}", flush=True)
+        await running.task  # until SIGINT or SIGTERM (uvicorn's handlers)
         served = int(app.state.front.served)
     finally:
         if policy is not None:

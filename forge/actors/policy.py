@@ -257,7 +257,7 @@ class Policy(ForgeActor):
             policy_seeds = self.sample_seeds(prompts, version) or [None] * len(chosen)
             seeds = [r.seed if r.seed is not None else s for r, s in zip(chosen, policy_seeds)]
             sampled = await self._sample(
-                [p.text for p in prompts],
+                [r.engine_input for r in chosen],
                 n,
                 "policy/sample_batch",
                 temperature=temperature,

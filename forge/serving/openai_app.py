@@ -8,8 +8,11 @@ value is refused as vLLM's server refuses it.
 Each HTTP request becomes one ``SampleRequest`` routed to the policy service's ``sample``
 endpoint: the service prebatches concurrent requests of equal settings into one engine call, and
 routes by a key, the ``X-Session-ID`` header, else the body's ``user``, else the prompt text, so
-that every turn of a conversation meets the replica that holds its prefix (``key_affinity``). A
-prompt that does not fit the model is refused here, before it could fail the batch it would join.
+that every turn of a conversation meets the replica that holds its prefix (``key_affinity``). The
+prompt goes to the engine as ids: a session's turn that continues its last one keeps that turn's
+ids and the sampled ones exactly (``forge.serving.sessions``), so the prefix cache holds and the
+model's tokens are never re-encoded. A prompt that does not fit the model is refused here, before
+it could fail the batch it would join.
 
 Extensions, as vLLM names them: ``return_token_ids`` adds ``prompt_token_ids`` and each choice's
 ``token_ids``; every choice carries ``policy_version``, the weights version that sampled its oldest
@@ -32,6 +35,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from forge.generation.vllm_io import SamplingError, check_sampling
+from forge.serving.recording import RecordedTurn, Recorder
+from forge.serving.sessions import SessionTurns
 from forge.types import PackedGroup, Prompt, SampleRequest
 
 __all__ = ["FrontSettings", "OpenAIError", "make_app"]
@@ -76,9 +81,10 @@ class OpenAIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-async def parse_body(request: Request, model: Any) -> Any:
-    """The request's JSON body as ``model`` (a vLLM protocol class); a 400 naming the first bad
-    field, or saying the body is not JSON."""
+async def parse_body(request: Request, model: Any) -> tuple[Any, set[str]]:
+    """The request's JSON body as ``model`` (a vLLM protocol class), and the fields the client
+    sent (the class fills some in: ``max_tokens``); a 400 naming the first bad field, or saying
+    the body is not JSON."""
     import json
 
     from pydantic import ValidationError
@@ -91,7 +97,7 @@ async def parse_body(request: Request, model: Any) -> Any:
     if not isinstance(data, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     try:
-        return model.model_validate(data)
+        return model.model_validate(data), set(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(part) for part in first.get("loc", ())) or None
@@ -100,12 +106,16 @@ async def parse_body(request: Request, model: Any) -> Any:
 
 
 class PolicyFront:
-    """Turns OpenAI requests into ``SampleRequest``s for one policy service, and its groups back."""
+    """Turns OpenAI requests into ``SampleRequest``s for one policy service, and its groups back.
 
-    def __init__(self, policy: Any, tokenizer: Any, settings: FrontSettings) -> None:
+    ``recorder``: sessions whose every completion is kept for training (``forge.serving.recording``)."""
+
+    def __init__(self, policy: Any, tokenizer: Any, settings: FrontSettings, recorder: Recorder | None = None) -> None:
         self.policy = policy
         self.tokenizer = tokenizer
         self.settings = settings
+        self.sessions = SessionTurns(tokenizer)
+        self.recorder = recorder
         self._serving = 0
         self.served = 0
         """Requests answered with completions so far."""
@@ -132,8 +142,8 @@ class PolicyFront:
                 code="model_not_found",
             )
 
-    async def completion(self, body: Any, session: str | None) -> dict[str, Any]:
-        """``/v1/completions``: one prompt string."""
+    async def completion(self, body: Any, session: str | None, sent: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """``/v1/completions``: one prompt string; ``sent``: the fields the client set."""
         from vllm.entrypoints.openai.completion.protocol import CompletionResponse
 
         self.check_model(body.model)
@@ -144,7 +154,8 @@ class PolicyFront:
             raise OpenAIError(
                 400, "prompt must be one string (token-id and batched prompts are not served)", param="prompt"
             )
-        group, prompt_ids = await self._sample(prompt, body, body.max_tokens, session)
+        max_tokens = body.max_tokens if "max_tokens" in sent else None  # vLLM's class would say 16
+        group, prompt_ids = await self._sample(prompt, body, max_tokens, session)
         choices = []
         for index, completion in enumerate(group.completions):
             choice = {"index": index, "text": completion.text, "finish_reason": completion.finish_reason}
@@ -216,13 +227,19 @@ class PolicyFront:
         max_tokens = self.settings.default_max_tokens if max_tokens is None else max_tokens
         temperature = 1.0 if body.temperature is None else float(body.temperature)
         top_p = 1.0 if body.top_p is None else float(body.top_p)
+        record = self.recorder.get(session) if self.recorder is not None else None
+        if record is not None:  # trained on: sampled as the trainer scores it, one trajectory per session
+            if n != 1:
+                raise OpenAIError(400, f"a recorded (trained) session samples n=1 at a time, got n={n}", param="n")
+            temperature, top_p = self.recorder.temperature, 1.0
         try:
             check_sampling(n, temperature, max_tokens, top_p)
         except SamplingError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from None
         stop = body.stop or ()
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        prompt_ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        turn = self.sessions.prompt_ids(session, text)
+        prompt_ids = turn.prompt_ids
         limit = self.settings.max_model_len
         if len(prompt_ids) + max_tokens > limit:
             raise OpenAIError(
@@ -247,11 +264,19 @@ class PolicyFront:
             top_p=top_p,
             stop=stop,
             seed=body.seed,
+            prompt_ids=tuple(prompt_ids),
         )
         key = session or getattr(body, "user", None) or text
         self._serving += 1
         try:
-            group = await asyncio.wait_for(self.policy.sample.route(request, key=key), self.settings.request_timeout_s)
+            try:
+                group = await asyncio.wait_for(
+                    self.policy.sample.route(request, key=key), self.settings.request_timeout_s
+                )
+            except Exception as exc:
+                if record is not None:
+                    record.failure = exc
+                raise
         except Overloaded as exc:
             raise OpenAIError(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"}) from exc
         except NoHealthyReplica as exc:
@@ -267,6 +292,11 @@ class PolicyFront:
         finally:
             self._serving -= 1
         self.served += 1
+        prompt_ids = group.prompt_ids.tolist()  # what the engine sampled from: the ids sent, as it read them
+        if session is not None and len(group.completions) == 1:
+            self.sessions.remember(session, text, prompt_ids, group.completions[0])
+        if record is not None:
+            record.turns.append(RecordedTurn(prompt_ids, turn.continued_from, group.completions[0]))
         return group, list(prompt_ids)
 
     def _extended(self, choice: dict[str, Any], completion: Any, body: Any) -> dict[str, Any]:
@@ -304,12 +334,13 @@ class PolicyFront:
         }
 
 
-def make_app(policy: Any, tokenizer: Any, settings: FrontSettings) -> FastAPI:
-    """The FastAPI app serving ``policy`` (a forge policy service handle) as an OpenAI API."""
+def make_app(policy: Any, tokenizer: Any, settings: FrontSettings, recorder: Recorder | None = None) -> FastAPI:
+    """The FastAPI app serving ``policy`` (a forge policy service handle) as an OpenAI API;
+    ``recorder``'s sessions are kept for training."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    front = PolicyFront(policy, tokenizer, settings)
+    front = PolicyFront(policy, tokenizer, settings, recorder)
     app = FastAPI(title="forge", docs_url=None, redoc_url=None)
     app.state.front = front
 
@@ -340,12 +371,12 @@ def make_app(policy: Any, tokenizer: Any, settings: FrontSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, CompletionRequest)
-        return await front.completion(body, request.headers.get("x-session-id"))
+        body, sent = await parse_body(request, CompletionRequest)
+        return await front.completion(body, request.headers.get("x-session-id"), frozenset(sent))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, ChatCompletionRequest)
+        body, _ = await parse_body(request, ChatCompletionRequest)
         return await front.chat(body, request.headers.get("x-session-id"))
 
     return app

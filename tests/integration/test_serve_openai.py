@@ -104,6 +104,31 @@ async def test_models_completions_and_chat_with_token_ids_logprobs_and_versions(
     assert chat.usage.prompt_tokens > 4
 
 
+async def test_a_four_turn_session_keeps_the_models_own_tokens_and_a_rewritten_history_starts_afresh(
+    server: str,
+) -> None:
+    """Each turn of an ``X-Session-ID`` chat is sampled from the last turn's prompt ids and sampled
+    ids exactly, then the template's added text; one whose history was rewritten is tokenised whole."""
+    client = _client(server).with_options(default_headers={"X-Session-ID": "four-turns"})
+    messages = [{"role": "user", "content": "371="}]
+    history: list[int] = []
+    for turn in range(4):
+        reply = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4, extra_body={"return_token_ids": True}
+        )
+        prompt_ids, (choice,) = reply.model_extra["prompt_token_ids"], reply.choices
+        assert prompt_ids[: len(history)] == history, f"turn {turn} re-encoded the history"
+        assert len(prompt_ids) > len(history)
+        history = prompt_ids + choice.model_extra["token_ids"]
+        messages += [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "x="}]
+    # The same session, the first reply rewritten: not a continuation, so the text is tokenised whole.
+    messages[1] = {"role": "assistant", "content": "rewritten"}
+    reply = await client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, extra_body={"return_token_ids": True}
+    )
+    assert reply.model_extra["prompt_token_ids"][: len(history)] != history
+
+
 async def test_a_seed_gives_the_same_samples_and_stop_strings_end_the_text(server: str) -> None:
     client = _client(server)
     first, second = await asyncio.gather(

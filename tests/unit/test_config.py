@@ -496,3 +496,40 @@ def test_rollout_workers_below_one_or_above_the_prompts_in_flight_are_refused(ov
 
     with pytest.raises(ValueError, match=message):
         load_config(GRPOConfig, None, ["model.path=/m", *overrides])
+
+
+def sync_agent(client, prompt):
+    return 0.0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["rollout.agent=forge.envs.agents:reversal_game", "env.cls=forge.envs.toy:ReverseWithFeedback"],
+            r"rollout\.agent \('forge\.envs\.agents:reversal_game'\) and env\.cls .* both make the episodes",
+        ),
+        (
+            ["rollout.agent=forge.envs.agents:no_such_agent"],
+            r"rollout\.agent 'forge\.envs\.agents:no_such_agent' cannot",
+        ),
+        (
+            ["rollout.agent=reversal_game"],
+            r"rollout\.agent must be named 'package\.module:function', got 'reversal_game'",
+        ),
+        ([f"rollout.agent={__name__}:sync_agent"], r"must be an 'async def fn\(client, prompt\) -> float'"),
+        (["rollout.agent=forge.envs.agents:reversal_game", "rollout.agent_timeout_s=0"], r"agent_timeout_s must be"),
+    ],
+)
+def test_a_bad_agent_is_refused_at_load_naming_it(overrides, message):
+    from apps.grpo.config import GRPOConfig
+
+    with pytest.raises(ValueError, match=message):
+        load_config(GRPOConfig, None, ["model.path=/m", *overrides])
+
+
+def test_an_agent_run_trains_up_to_the_context_length():
+    from apps.grpo.config import GRPOConfig
+
+    cfg = load_config(GRPOConfig, None, ["model.path=/m", "rollout.agent=forge.envs.agents:reversal_game"])
+    assert cfg.max_response_tokens == cfg.policy.max_model_len

@@ -270,8 +270,8 @@ def test_single_and_multi_turn_rollouts_both_take_dynamic_sampling_from_the_conf
     multi_cfg = _cfg(
         "rollout.dynamic_sampling=true", "rollout.max_dropped_per_step=5", "env.cls=forge.envs.toy:ReverseWithFeedback"
     )
-    single = Rollouts.from_config(single_cfg, Roles())
-    multi = Rollouts.from_config(multi_cfg, Roles(env=object()))  # a placeholder handle: never called here
+    single = Rollouts.from_config(single_cfg, Roles(), "unused")
+    multi = Rollouts.from_config(multi_cfg, Roles(env=object()), "unused")  # a placeholder handle: never called here
     assert type(single.maker) is SingleTurnGroups and type(multi.maker) is MultiTurnGroups
     assert multi.maker.max_turns == multi_cfg.env.max_turns and multi.maker.group_size == multi_cfg.group_size
     for rollouts in (single, multi):
