@@ -43,7 +43,11 @@ async def run(cfg: ServeConfig, terminal: Any, resume_from: Any = None) -> str:
         Policy,
         policy_config(cfg, str(model_path), group_size=1),
         POLICY_ENV,
-        options={"endpoint_routers": {"sample": "key_affinity"}},
+        options={
+            "endpoint_routers": {"sample": "key_affinity"},
+            # More than one batch in flight: a request arriving mid-batch joins the engine at its next step.
+            "concurrent_batches": {"sample": cfg.policy.concurrent_batches},
+        },
     )
     policy = None
     served = 0
