@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from apps.grpo.cli import app_command  # noqa: E402
+from apps.serve.cli import serve_command  # noqa: E402
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 
@@ -46,19 +47,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "
 def start_forge(folder: Path, overrides: list[str]) -> tuple[subprocess.Popen, str, Path]:
     """forge's server on a free port; its process, base URL and the model folder it made."""
     model = folder / "model"
-    cmd = [
-        sys.executable,
-        "-m",
-        "apps.serve.main",
-        "--config",
-        "configs/serve_tiny.yaml",
-        f"model.path={model}",
-        f"logging.output_dir={folder / 'out'}",
-        "server.port=0",
-        "server.model_name=tiny",
-        "server.max_concurrent=4096",
-        *overrides,
-    ]
+    cmd = serve_command(folder, "server.max_concurrent=4096", *overrides)
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

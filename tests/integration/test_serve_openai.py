@@ -12,7 +12,6 @@ import asyncio
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,8 @@ import pytest
 
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
+
+from apps.serve.cli import serve_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "test-key"
@@ -35,19 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The base URL of a running server; stopped with SIGTERM at the end, which it must take as
     every app does: the replicas stopped, exit 143."""
     folder = tmp_path_factory.mktemp("serve")
-    cmd = [
-        sys.executable,
-        "-m",
-        "apps.serve.main",
-        "--config",
-        "configs/serve_tiny.yaml",
-        f"model.path={folder / 'model'}",
-        f"logging.output_dir={folder / 'out'}",
-        "server.port=0",
-        f"server.api_key={KEY}",
-        "server.model_name=tiny",
-        "policy.num_replicas=2",
-    ]
+    cmd = serve_command(folder, f"server.api_key={KEY}", "policy.num_replicas=2")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     SERVER_PID[:] = [proc.pid]
