@@ -24,7 +24,6 @@ whole group, to be made again.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import itertools
 import logging
@@ -86,15 +85,15 @@ class AgentGroups:
         self.settings = settings
         self.agent = load_agent(settings.agent)
         self.recorder = Recorder(settings.temperature)
+        self._key = secrets.token_urlsafe(24)  # the port is local, but other users of the host are not the run's
         front = FrontSettings(
             model_name="policy",
             max_model_len=settings.max_model_len,
             default_max_tokens=settings.max_tokens,
+            api_key=self._key,
             max_concurrent=1 << 20,  # the rollouts' own backpressure bounds what is in flight
             request_timeout_s=settings.timeout_s,
         )
-        self._key = secrets.token_urlsafe(24)  # the port is local, but other users of the host are not the run's
-        front = dataclasses.replace(front, api_key=self._key)
         self.app = make_app(roles.policy, AutoTokenizer.from_pretrained(settings.model_path), front, self.recorder)
         self.server: RunningServer | None = None
         self._client: Any = None

@@ -52,11 +52,11 @@ async def tool_reversal_agent(client: Any, prompt: Prompt, max_tool_calls: int =
     answered ``result 173``; the first reply that is not a call is scored as the answer (a call
     past ``max_tool_calls`` is scored as one, and scores nothing)."""
     messages = [{"role": "user", "content": prompt.text}]
-    for _ in range(max_tool_calls + 1):
+    for calls in range(max_tool_calls + 1):
         reply = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens)
         content = reply.choices[0].message.content or ""
         call = parse_tool_call(content)
-        if call is None or len(messages) > 2 * max_tool_calls:
+        if call is None or calls == max_tool_calls:
             return toy_partial_reward(prompt, content)
         tool = TOOLS.get(call.name)
         result = f"result {tool(call.argument)}" if tool is not None else f"error unknown tool {call.name}"

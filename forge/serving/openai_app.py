@@ -297,7 +297,7 @@ class PolicyFront:
             self.sessions.remember(session, text, prompt_ids, group.completions[0])
         if record is not None:
             record.turns.append(RecordedTurn(prompt_ids, turn.continued_from, group.completions[0]))
-        return group, list(prompt_ids)
+        return group, prompt_ids
 
     def _extended(self, choice: dict[str, Any], completion: Any, body: Any) -> dict[str, Any]:
         choice["policy_version"] = int(completion.policy_version)

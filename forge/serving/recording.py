@@ -71,7 +71,7 @@ def trajectories(record: SessionRecord, group_id: str, reward: float) -> list[Tr
     current: Trajectory | None = None
     for i, turn in enumerate(record.turns):
         ids = torch.tensor(turn.prompt_ids, dtype=torch.long)
-        if current is not None and turn.continued_from is not None and turn.continued_from == current.length:
+        if current is not None and turn.continued_from == current.length:
             current.add_observation(ids[current.length :], 0.0, False)
         else:
             current = Trajectory(f"{record.session}/{i}", group_id, ids)
