@@ -28,6 +28,7 @@ import math
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -270,6 +271,23 @@ def gather_objects(obj: Any, where: SpmdRank) -> list[Any]:
     out: list[Any] = [None] * where.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def map_shares(items: list[Any], fn: Callable[[list[Any]], list[Any]], where: SpmdRank) -> list[Any]:
+    """``fn(items)`` with each rank computing a contiguous share, gathered in order on every rank:
+    how a sharded replica (FSDP2) scores one batch. A rank left without items still runs ``fn``
+    once, on ``items[:1]``, and drops the answer: the forward's all-gathers must pair up."""
+    if not where.distributed:
+        return fn(items)
+    share = math.ceil(len(items) / where.world_size)
+    lo = min(where.rank * share, len(items))
+    hi = min(lo + share, len(items))
+    if hi > lo:
+        mine = fn(items[lo:hi])
+    else:
+        fn(items[:1])  # the stand-in pass; its answer is dropped
+        mine = []
+    return [x for part in gather_objects(mine, where) for x in part]
 
 
 def broadcast_object(obj: Any, where: SpmdRank) -> Any:

@@ -2,8 +2,8 @@
 
 Token ids and logprobs are tensors so that they cross process boundaries as tensors
 (``torch.save`` under Monarch), never as Python lists of floats. Batches of them travel packed
-(``forge.packing``): ``PackedGroup``, ``EpisodeBatch`` and ``SFTBatch`` declare their fields,
-and ``Packed`` does the rest.
+(``forge.packing``): ``PackedGroup``, ``EpisodeBatch``, ``SFTBatch`` and ``PreferenceBatch``
+declare their fields, and ``Packed`` does the rest.
 """
 
 from __future__ import annotations
@@ -22,13 +22,20 @@ __all__ = [
     "Group",
     "Groups",
     "PackedGroup",
+    "PreferenceBatch",
+    "PreferenceExample",
     "Prompt",
+    "QUESTION",
     "SFTBatch",
     "SFTExample",
     "SampleRequest",
     "TurnRequest",
     "TurnResult",
 ]
+
+
+QUESTION = "question"
+"""``Prompt.meta``'s key for the question as the record holds it, before formatting."""
 
 
 @dataclass
@@ -39,6 +46,12 @@ class Prompt:
     text: str
     answer: str
     meta: dict = field(default_factory=dict)
+
+    @property
+    def question(self) -> str:
+        """The record's question before the prompt template and chat template made ``text`` of
+        it (``meta[QUESTION]``, set where a prompt is formatted); ``text`` if it never was."""
+        return self.meta.get(QUESTION, self.text)
 
 
 def token_versions(stamps: torch.Tensor | None, num_tokens: int, version: int) -> torch.Tensor:
@@ -386,3 +399,49 @@ class SFTBatch(Packed):
 
     def unpack(self) -> list[SFTExample]:
         return [SFTExample(p, a) for p, a in zip(self.pieces("prompt_ids"), self.pieces("answer_ids"))]
+
+
+@dataclass
+class PreferenceExample:
+    """One preference pair as token ids: the prompt, then the chosen and the rejected response
+    (each ending with the end-of-answer token, as ``PromptFormat.sft_example`` writes an answer)."""
+
+    prompt_ids: torch.Tensor  # int64 [P]
+    chosen_ids: torch.Tensor  # int64 [C]
+    rejected_ids: torch.Tensor  # int64 [R]
+
+
+@dataclass
+class PreferenceBatch(Packed):
+    """Many ``PreferenceExample``s in flat tensors: what a reward-model or DPO step takes. A pair
+    is one item, so slicing the batch by rank and micro-batch keeps each pair's two responses
+    together. DPO adds each pair's reference logprobs (summed over the response's tokens)."""
+
+    prompt_ids: torch.Tensor = per_token("prompt_lens", torch.long)
+    prompt_lens: torch.Tensor = per_item(torch.long)
+    chosen_ids: torch.Tensor = per_token("chosen_lens", torch.long)
+    chosen_lens: torch.Tensor = per_item(torch.long)
+    rejected_ids: torch.Tensor = per_token("rejected_lens", torch.long)
+    rejected_lens: torch.Tensor = per_item(torch.long)
+    ref_chosen_logprobs: torch.Tensor | None = per_item(torch.float32, fill=0.0)
+    """The reference model's logprob of each chosen response (a sum over its tokens); None: not scored."""
+    ref_rejected_logprobs: torch.Tensor | None = per_item(torch.float32, fill=0.0)
+    """The same for each rejected response."""
+
+    @classmethod
+    def pack(
+        cls, examples: list[PreferenceExample], ref_logprobs: list[tuple[float, float]] | None = None
+    ) -> PreferenceBatch:
+        """The examples packed; ``ref_logprobs``: each pair's ``(chosen, rejected)`` reference
+        logprobs (DPO), or None."""
+        if not examples:
+            raise ValueError("PreferenceBatch.pack needs at least one example")
+        if ref_logprobs is not None and len(ref_logprobs) != len(examples):
+            raise ValueError(f"{len(examples)} preference examples but {len(ref_logprobs)} reference logprob pairs")
+        return cls.build(
+            prompt_ids=[e.prompt_ids for e in examples],
+            chosen_ids=[e.chosen_ids for e in examples],
+            rejected_ids=[e.rejected_ids for e in examples],
+            ref_chosen_logprobs=None if ref_logprobs is None else [c for c, _ in ref_logprobs],
+            ref_rejected_logprobs=None if ref_logprobs is None else [r for _, r in ref_logprobs],
+        )

@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from forge.actors.policy import PolicySettings
+from forge.actors.trainer_config import OptimizerSettings
 from forge.controller.jobs import HostsConfig
 from forge.data.datasets import DataSource
 
@@ -142,6 +143,21 @@ class Placement:
     needs ``k``."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the role's processes."""
+
+
+@dataclass(kw_only=True)
+class OptimizerSection(Placement, OptimizerSettings):
+    """A trainer section of the optimizer's settings (``forge.actors.trainer.OptimizerSettings``),
+    placement and checkpointing, for a loss without knobs of its own (SFT, a reward model): the
+    same trainer actor, sharding and checkpoints as GRPO's."""
+
+    checkpoint_every: int = 0
+    """Save a full checkpoint (weights, optimizer, step, RNG, data position) under
+    ``<logging.output_dir>/checkpoints`` every N steps and at the last step; 0 never.
+    ``--resume`` continues a killed run from the newest one."""
+    export_final_model: bool = True
+    """At the end, write the model as a Hugging Face folder to ``<logging.output_dir>/final_model``:
+    what vLLM and the GRPO app's ``model.path`` load."""
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,7 @@ from forge.actors.reward import WeightedReward
 from forge.data.datasets import DataSource, load_prompts
 from forge.evaluation import EvalSettings, evaluate
 from forge.observability import EVAL_STEP
-from forge.types import Prompt
+from forge.types import QUESTION, Prompt
 
 logger = logging.getLogger("forge.eval")
 
@@ -63,7 +63,7 @@ class EvalPlan:
         template = data.prompt_template if data is not None else "{text}"
         chat = data.chat_template if data is not None else True
         fmt = PromptFormat.from_model(model_path, template, chat)
-        prompts = [dataclasses.replace(p, text=fmt.prompt(p.text)) for p in records]
+        prompts = [dataclasses.replace(p, text=fmt.prompt(p.text), meta={**p.meta, QUESTION: p.text}) for p in records]
         settings = EvalSettings(
             samples=section.samples,
             temperature=section.temperature or temperature,

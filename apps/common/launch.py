@@ -68,6 +68,8 @@ class Roles:
     policy: ServiceInterface | None = None
     reference: ServiceInterface | None = None
     reward: ServiceInterface | None = None
+    reward_model: ServiceInterface | None = None
+    """The learned reward models' service (GRPO's ``reward.models``); None without them."""
     trainer: ActorMesh | None = None
     """The trainer: one SPMD actor mesh (``forge.distributed.call_spmd``)."""
     buffer: ActorMesh | None = None
@@ -246,7 +248,7 @@ async def open_run(cfg: RunSections, weight_sync: WeightSyncSection | None = Non
     return resources
 
 
-GPU_ROLES = ("policy", "reference", "reward", "trainer")
+GPU_ROLES = ("policy", "reference", "reward", "reward_model", "trainer")
 
 
 def assign_gpus(

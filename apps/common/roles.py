@@ -36,7 +36,7 @@ class RoleFailed(Exception):
         return self.role in SERVICE_ROLES and isinstance(self.error, (ReplicaFailed, NoHealthyReplica, RequestTimeout))
 
 
-SERVICE_ROLES = ("policy", "reference", "reward", "env", "rollout")
+SERVICE_ROLES = ("policy", "reference", "reward", "reward_model", "env", "rollout")
 """The roles started as services: their replicas restart (``faults``) and the run goes on."""
 
 QUIET_ENV = {

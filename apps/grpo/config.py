@@ -35,8 +35,30 @@ class ReferenceSection(Placement):
 
 @dataclass(kw_only=True)
 class RewardSection(Placement):
+    """Where each response's reward comes from (``apps.grpo.reward_mix``): reward functions (run by
+    the ``reward`` service, placed by this section) and learned reward models (the
+    ``reward_model`` service), each normalised, weighted and summed."""
+
     fns: dict[str, float] = field(default_factory=lambda: {"toy": 1.0})
-    """Reward functions (registry name or ``module:function``, imported and run) and their weights."""
+    """Reward functions (registry name or ``module:function``, imported and run) and their weights.
+    Weight 0: logged (``reward/fn_<name>``, e.g. the task's checker beside a learned reward), not
+    trained on."""
+    models: dict[str, float] = field(default_factory=dict)
+    """Reward models and their weights: folder (a scalar-head checkpoint, what ``apps.rm`` exports
+    as ``final_model``) -> weight. Each response's score is logged as ``reward/model_<name>``.
+    Single-turn rollouts only."""
+    normalize: str = "none"
+    """Each source's scores before weighting: ``none``; ``batch``, standardised over the group;
+    ``running``, by the running mean and standard deviation of everything the source scored."""
+
+
+@dataclass(kw_only=True)
+class RewardModelSection(Placement):
+    """The reward-model service of ``reward.models`` (``forge.actors.reward_model``): replicas,
+    processes per replica (FSDP2 shards each model over them) and GPUs."""
+
+    dtype: str = "float32"
+    """The reward models' weights dtype."""
 
 
 @dataclass(kw_only=True)
@@ -195,6 +217,8 @@ class GRPOConfig(TrainingSections):
     """Off-by-n: a group sampled by policy version g trains at version v only if v - g <= this."""
     reference: ReferenceSection = field(default_factory=ReferenceSection)
     reward: RewardSection = field(default_factory=RewardSection)
+    reward_model: RewardModelSection = field(default_factory=RewardModelSection)
+    """Where ``reward.models`` are served; nothing starts without them."""
     trainer: TrainerSection = field(default_factory=TrainerSection)
     data: DataSection = field(default_factory=DataSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -237,8 +261,7 @@ class GRPOConfig(TrainingSections):
         self._check_data()
         self._check_env()
         self._check_lora()
-        if not self.reward.fns:
-            raise ValueError("reward.fns needs at least one reward function")
+        self._check_reward()
         self._check_placement()
         if self.faults.max_restarts < 0:
             raise ValueError(f"faults.max_restarts must be >= 0 (0: no restarts), got {self.faults.max_restarts}")
@@ -256,6 +279,24 @@ class GRPOConfig(TrainingSections):
             raise ValueError(
                 f"faults.health_timeout_s ({self.faults.health_timeout_s}) must be >= faults.health_interval_s "
                 f"({self.faults.health_interval_s}): a replica is probed every interval and failed after the timeout"
+            )
+
+    def _check_reward(self) -> None:
+        """The reward's sources (``apps.grpo.reward_mix.RewardSettings``), what reward models work
+        with, and a checker for held-out evaluation."""
+        from apps.grpo.reward_mix import RewardSettings
+
+        r = self.reward
+        RewardSettings(dict(r.fns), dict(r.models), r.normalize)
+        if r.models and (self.env.cls or self.rollout.agent):
+            raise ValueError(
+                "reward.models scores single-turn completions; a multi-turn environment (env.cls) or an agent "
+                "(rollout.agent) gives its own reward"
+            )
+        if self.eval.every and not self.eval.reward and not any(r.fns.values()):
+            raise ValueError(
+                "eval.reward is needed: the reward functions judge held-out answers, and reward.fns has none "
+                "with a weight (set e.g. eval.reward: {exact_match: 1.0})"
             )
 
     def _check_lora(self) -> None:
@@ -334,7 +375,7 @@ class GRPOConfig(TrainingSections):
 
     def _check_placement(self) -> None:
         """Hosts and GPUs of each role: sizes, and vLLM's tensor parallelism inside one process."""
-        for role in ("policy", "reference", "reward", "trainer"):
+        for role in ("policy", "reference", "reward", "reward_model", "trainer"):
             section = getattr(self, role)
             for name in ("procs", "num_replicas", "hosts", "gpus_per_proc"):
                 value = getattr(section, name)

@@ -3,7 +3,8 @@
 A group maker turns one prompt into ``group_size`` scored episodes::
 
     prompt -> policy completions (behaviour logprobs, policy version)
-           -> rewards and reference logprobs, side by side
+           -> rewards (functions and learned models, mixed: apps.grpo.reward_mix) and
+              reference logprobs, side by side
            -> advantages, normalised over the group (forge.losses.group_advantages)
            -> EpisodeBatch.of_group: the scored group, packed, on its way to the buffer
 
@@ -35,6 +36,7 @@ from apps.common.launch import Roles
 from apps.common.roles import RoleFailed, call_role
 from apps.grpo.agents import AgentGroups, AgentSettings
 from apps.grpo.multiturn import MultiTurnGroups
+from apps.grpo.reward_mix import RewardMix, RewardSettings
 from forge.actors import prompt_key
 from forge.actors.reference_model import ResponseGroup
 from forge.losses import group_advantages
@@ -65,6 +67,9 @@ class GroupSettings:
     """``max_turns``, ``max_tokens`` and ``max_model_len`` of a multi-turn run; None: single-turn."""
     agent: AgentSettings | None = None
     """An agent run's (``rollout.agent``); None: no agent."""
+    rewards: RewardSettings | None = None
+    """A single-turn run's reward sources; None: the reward functions' weighted sum, as the
+    reward service weighs them."""
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig, model_path: str) -> GroupSettings:
@@ -77,7 +82,8 @@ class GroupSettings:
         if cfg.rollout.agent:
             timeout = cfg.rollout.agent_timeout_s
             agent = AgentSettings(cfg.rollout.agent, timeout, model_path, p.max_model_len, p.max_tokens, p.temperature)
-        return cls(cfg.group_size, multiturn, agent)
+        r = cfg.reward
+        return cls(cfg.group_size, multiturn, agent, RewardSettings(dict(r.fns), dict(r.models), r.normalize))
 
 
 def group_maker(roles: Roles, settings: GroupSettings) -> GroupMaker:
@@ -86,7 +92,7 @@ def group_maker(roles: Roles, settings: GroupSettings) -> GroupMaker:
     if settings.agent is not None:
         return AgentGroups(roles, settings.group_size, settings.agent)
     if settings.multiturn is None:
-        return SingleTurnGroups(roles, settings.group_size)
+        return SingleTurnGroups(roles, settings.group_size, settings.rewards)
     return MultiTurnGroups(roles, settings.group_size, **settings.multiturn)
 
 
@@ -106,9 +112,10 @@ class SingleTurnGroups:
     17). The group stays packed all the way (``PackedGroup`` in, ``EpisodeBatch.of_group`` out).
     """
 
-    def __init__(self, roles: Roles, group_size: int) -> None:
+    def __init__(self, roles: Roles, group_size: int, rewards: RewardSettings | None = None) -> None:
         self.roles = roles
         self.group_size = group_size
+        self.mix = None if rewards is None else RewardMix(rewards)
 
     async def make(self, prompt: Prompt, group_id: str) -> EpisodeBatch:
         """Prompt -> completions -> rewards and reference logprobs -> advantages -> scored group."""
@@ -117,20 +124,44 @@ class SingleTurnGroups:
         group = PackedGroup.of(await call_role("policy", policy.generate.route(prompt, key=prompt_key(prompt))))
         t1 = time.perf_counter()
         check_count("policy", "completions", self.group_size, len(group))
-        rewards, ref_logprobs = await asyncio.gather(self._rewards(group), self._ref_logprobs(group))
-        check_count("reward", "rewards", len(group), len(rewards))
+        scores, ref_logprobs = await asyncio.gather(self._rewards(group), self._ref_logprobs(group))
         check_count("reference", "reference logprobs", group.token_ids.numel(), ref_logprobs.numel())
-        failed = next((r for r in rewards if isinstance(r, Exception)), None)
-        if failed is not None:  # a reward function raised on one of the group's responses
-            raise RoleFailed("reward", failed)
         record_metric("rollout/generate_latency_s", t1 - t0)
         record_metric("rollout/score_latency_s", time.perf_counter() - t1)
-        scores = torch.tensor(rewards, dtype=torch.float32)
         return EpisodeBatch.of_group(group, group_id, ref_logprobs, scores, group_advantages(scores))
 
     # Routed inside these coroutines, so a group cancelled before they run queues nothing.
-    async def _rewards(self, group: PackedGroup) -> list[Any]:
-        return await call_role("reward", self.roles.reward.score_groups.route((group.prompt, group.texts)))
+    async def _rewards(self, group: PackedGroup) -> torch.Tensor:
+        """The group's rewards, float32 [n]: the functions' weighted sum, or every source mixed."""
+        request = (group.prompt, group.texts)
+        if self.mix is None:
+            return torch.tensor(
+                self._checked(await call_role("reward", self.roles.reward.score_groups.route(request)), len(group)),
+                dtype=torch.float32,
+            )
+        learned = None
+        if self.mix.settings.fns and self.mix.settings.models:
+            parts, learned = await asyncio.gather(
+                call_role("reward", self.roles.reward.score_group_parts.route(request)),
+                call_role("reward_model", self.roles.reward_model.score_groups.route(request)),
+            )
+        elif self.mix.settings.fns:
+            parts = await call_role("reward", self.roles.reward.score_group_parts.route(request))
+        else:
+            parts = [{}] * len(group)
+            learned = await call_role("reward_model", self.roles.reward_model.score_groups.route(request))
+        if learned is not None:
+            check_count("reward_model", "reward-model scores", len(group), len(learned))
+        return self.mix.combine(self._checked(parts, len(group)), learned)
+
+    @staticmethod
+    def _checked(rewards: list[Any], n: int) -> list[Any]:
+        """The reward service's answers for a group of ``n``, or the run fails naming it."""
+        check_count("reward", "rewards", n, len(rewards))
+        failed = next((r for r in rewards if isinstance(r, Exception)), None)
+        if failed is not None:  # a reward function raised on one of the group's responses
+            raise RoleFailed("reward", failed)
+        return rewards
 
     async def _ref_logprobs(self, group: PackedGroup) -> torch.Tensor:
         """The group's reference logprobs, flat like ``group.logprobs``."""

@@ -6,6 +6,8 @@ services and the trainer; the buffer and the dataset in the controller's process
 from __future__ import annotations
 
 import asyncio
+import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apps.common.config import settings
@@ -20,6 +22,8 @@ from apps.common.launch import (
 )
 from apps.common.roles import POLICY_ENV, QUIET_ENV
 from forge.actors import Policy
+
+logger = logging.getLogger("forge.grpo")
 
 __all__ = ["fault_options", "prepare_model", "role_specs", "start_local", "start_roles", "trainer_config"]
 
@@ -63,6 +67,11 @@ def role_specs(cfg: GRPOConfig, model_path: str, weights_dir: str | None = None)
         RoleSpec("reward", RewardActor, dict(cfg.reward.fns), QUIET_ENV, options={"router": "least_loaded"}),
         RoleSpec("trainer", Trainer, trainer_config(cfg, model_path), QUIET_ENV, service=False),
     ]
+    if cfg.reward.models:
+        from forge.actors.reward_model import RewardModel, RewardModelConfig
+
+        rm = RewardModelConfig(model_paths=list(cfg.reward.models), dtype=cfg.reward_model.dtype)
+        specs.append(RoleSpec("reward_model", RewardModel, rm, QUIET_ENV, options={"router": "least_loaded"}))
     if cfg.ref_from_base:  # the trainer scores the reference with its adapter off: no replicas
         specs = [s for s in specs if s.name != "reference"]
     if cfg.env.cls:
@@ -150,4 +159,26 @@ def prepare_model(cfg: GRPOConfig) -> str:
     path = make_model(cfg.model)
     cfg.check_weight_sync_space(path)
     prepare_data(cfg.data)
+    check_reward_models(list(cfg.reward.models), path)
     return str(path.resolve())
+
+
+def check_reward_models(paths: list[str], policy_path: Path) -> None:
+    """Each reward model is a scalar-head checkpoint (an error naming the path otherwise); one
+    whose tokenizer is not the policy's is allowed, and said once: it re-tokenises the text."""
+    from transformers import AutoTokenizer
+
+    from forge.actors.reward_model import check_reward_checkpoint
+
+    policy_vocab = None
+    for path in paths:
+        check_reward_checkpoint(path)
+        if policy_vocab is None:
+            policy_vocab = AutoTokenizer.from_pretrained(policy_path).get_vocab()
+        if AutoTokenizer.from_pretrained(path).get_vocab() != policy_vocab:
+            logger.warning(
+                "reward model %s has another tokenizer than the policy (%s): it re-tokenises each completion's "
+                "text with its own",
+                path,
+                policy_path,
+            )

@@ -44,7 +44,7 @@ ORDERS_PER_BATCH = 64
 BATCHES_PER_WORKER = 32
 """Batches of orders one worker works on at once (their groups' requests interleave)."""
 VIEW_PUSH_TIMEOUT_S = 30.0
-ATTACHED_ROLES = ("policy", "reference", "reward", "env")
+ATTACHED_ROLES = ("policy", "reference", "reward", "reward_model", "env")
 
 
 class RolloutWorker(ForgeActor):

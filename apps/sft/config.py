@@ -9,22 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apps.common.config import EvalSamplingSection, LoggingSection, Placement, RecordsSection, TrainingSections
-from forge.actors.trainer import OptimizerSettings
-
-
-@dataclass(kw_only=True)
-class SFTTrainerSection(Placement, OptimizerSettings):
-    """The trainer's optimizer settings (``forge.actors.trainer.OptimizerSettings``), placement and
-    checkpointing: the same trainer actor, sharding and checkpoints as GRPO's."""
-
-    checkpoint_every: int = 0
-    """Save a full checkpoint (weights, optimizer, step, RNG, data position) under
-    ``<logging.output_dir>/checkpoints`` every N steps and at the last step; 0 never.
-    ``--resume`` continues a killed run from the newest one."""
-    export_final_model: bool = True
-    """At the end, write the model as a Hugging Face folder to ``<logging.output_dir>/final_model``:
-    what vLLM and the GRPO app's ``model.path`` load."""
+from apps.common.config import EvalSamplingSection, LoggingSection, OptimizerSection, RecordsSection, TrainingSections
 
 
 @dataclass(kw_only=True)
@@ -62,7 +47,7 @@ class SFTConfig(TrainingSections):
     data: RecordsSection = field(default_factory=RecordsSection)
     """The training records (``question_key`` the prompt, ``answer_key`` the target)."""
     eval: SFTEvalSection = field(default_factory=SFTEvalSection)
-    trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
+    trainer: OptimizerSection = field(default_factory=OptimizerSection)
     logging: LoggingSection = field(default_factory=lambda: LoggingSection(output_dir="outputs/sft"))
 
     def __post_init__(self) -> None:

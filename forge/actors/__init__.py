@@ -1,4 +1,5 @@
-"""The RL roles as ForgeActors: policy (vLLM), reference model, reward, trainer, buffer, dataset.
+"""The RL roles as ForgeActors: policy (vLLM), reference model, rewards (functions and learned
+models), trainer, buffer, dataset.
 
 Each module holds one role and its small config dataclass. The roles know nothing of each
 other: the controller (``apps/grpo/main.py``) wires them together through the service API.
@@ -29,6 +30,8 @@ _MODULES = {
     "ReplayBuffer": "replay_buffer",
     "Sample": "replay_buffer",
     "group_version": "replay_buffer",
+    "RewardModel": "reward_model",
+    "RewardModelConfig": "reward_model",
     "RewardActor": "reward",
     "WeightedReward": "reward",
     "resolve_reward": "reward",

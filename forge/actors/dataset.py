@@ -18,7 +18,7 @@ from typing import Any
 
 from forge.controller import ForgeActor, endpoint
 from forge.data.datasets import DataSource, PromptEpochs, load_prompts
-from forge.types import Prompt
+from forge.types import QUESTION, Prompt
 
 __all__ = ["DATASET_SOURCES", "Dataset", "DatasetConfig", "prompt_stream"]
 
@@ -72,7 +72,8 @@ def prompt_stream(config: DatasetConfig) -> Iterator[Prompt]:
 
     def formatted(p: Prompt) -> Prompt:
         text = fmt.prompt(p.text) if fmt is not None else config.prompt_template.format(text=p.text)
-        return dataclasses.replace(p, text=text)
+        # The question as the record holds it: a reward model formats it as it was trained to.
+        return dataclasses.replace(p, text=text, meta={**p.meta, QUESTION: p.text})
 
     return _Formatted(source, formatted)
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from forge.controller import Batching, ForgeActor, endpoint
-from forge.distributed import SpmdRank, gather_objects, init_spmd, local_state_bytes, shard_model, shutdown_spmd
+from forge.distributed import SpmdRank, init_spmd, local_state_bytes, map_shares, shard_model, shutdown_spmd
 from forge.models import forward_padding_fraction, sequence_logprobs
 from forge.observability import record_metric
 from forge.packing import Groups, Packed, per_item, per_token
@@ -47,6 +47,7 @@ from forge.wire import split_for_wire
 
 __all__ = [
     "TOKEN_BUDGET",
+    "bucket_of",
     "PackedPairs",
     "ReferenceConfig",
     "ReferenceModel",
@@ -74,10 +75,10 @@ def pair_tokens(pair: tuple[torch.Tensor, torch.Tensor]) -> int:
 
 def length_bucket(pair: tuple[torch.Tensor, torch.Tensor]) -> int:
     """Batching key of a pair: a geometric bucket of its total length (prompt + response)."""
-    return _bucket(int(pair[0].numel()) + int(pair[1].numel()))
+    return bucket_of(int(pair[0].numel()) + int(pair[1].numel()))
 
 
-def _bucket(n: int) -> int:
+def bucket_of(n: int) -> int:
     """The geometric length bucket of ``n`` tokens."""
     if n <= _BUCKET_BASE:
         return 0
@@ -106,7 +107,7 @@ def group_tokens(group: ResponseGroup) -> int:
 
 def group_bucket(group: ResponseGroup) -> int:
     """Batching key of a group: the length bucket of its longest pair (``length_bucket``)."""
-    return _bucket(int(group.prompt_ids.numel()) + max(group.response_lens, default=0))
+    return bucket_of(int(group.prompt_ids.numel()) + max(group.response_lens, default=0))
 
 
 @dataclass
@@ -285,18 +286,14 @@ class ReferenceModel(ForgeActor):
     def _score(self, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every pair's logprobs; on a sharded replica each rank scores a contiguous share."""
         cfg = self.config
-        if not self.rank.distributed:
+
+        def score(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+            prompts, responses = [p for p, _ in pairs], [r for _, r in pairs]
             return sequence_logprobs(
                 self.model, prompts, responses, cfg.temperature, cfg.pad_id, pack=cfg.pack_sequences
             )
-        share = math.ceil(len(prompts) / self.rank.world_size)
-        lo = min(self.rank.rank * share, len(prompts))
-        hi = min(lo + share, len(prompts))
-        # A rank without pairs still runs one forward pass (on a stand-in it drops): FSDP's
-        # all-gathers must pair up across the ranks.
-        mine = (prompts[lo:hi], responses[lo:hi]) if hi > lo else (prompts[:1], responses[:1])
-        scored = sequence_logprobs(self.model, *mine, cfg.temperature, cfg.pad_id, pack=cfg.pack_sequences)
-        return [t for part in gather_objects(scored if hi > lo else [], self.rank) for t in part]
+
+        return map_shares(list(zip(prompts, responses)), score, self.rank)
 
     @endpoint
     async def state_bytes(self) -> int:

@@ -10,7 +10,9 @@ for one of your own, and several can be combined with weights::
 Callers send one pair each; the replica prebatches them. A caller with a whole group sends it
 as one request, ``reward.score_groups.route((prompt, [c.text for c in completions]))``, and gets
 one reward per response: the controller then pays one request per group, not one per response.
-If a function raises on one pair, only that pair's caller gets an error (a ``ValueError`` naming
+``score_group_parts`` gives each function's reward apart (the GRPO app logs every source and
+mixes them with learned rewards, ``apps.grpo.reward_mix``). If a function raises on one pair,
+only that pair's caller gets an error (a ``ValueError`` naming
 the function and the prompt; in a group, that pair's entry); the rest of the batch is scored.
 """
 
@@ -59,13 +61,20 @@ class WeightedReward:
         self.fns = {name: resolve_reward(name) for name in self.weights}
 
     def score_one(self, prompt: Prompt, text: str) -> float | Exception:
-        total = 0.0
+        parts = self.parts_one(prompt, text)
+        if isinstance(parts, Exception):
+            return parts
+        return sum(self.weights[name] * value for name, value in parts.items())
+
+    def parts_one(self, prompt: Prompt, text: str) -> dict[str, float] | Exception:
+        """Each function's own reward (unweighted), by name; or the first one's error."""
+        parts: dict[str, float] = {}
         for name, fn in self.fns.items():
             try:
-                total += self.weights[name] * float(fn(prompt, text))
+                parts[name] = float(fn(prompt, text))
             except Exception as exc:  # reported to this pair's caller only
                 return ValueError(f"reward function {name!r} failed on prompt {prompt.prompt_id!r}: {exc!r}")
-        return total
+        return parts
 
     def __call__(self, prompt: Prompt, text: str) -> float:
         score = self.score_one(prompt, text)
@@ -108,3 +117,12 @@ class RewardActor(ForgeActor):
         order; a failing pair's entry is its error, and the caller decides what that costs."""
         record_metric("reward/batch_size", sum(len(texts) for _, texts in groups))
         return [[self.reward.score_one(prompt, text) for text in texts] for prompt, texts in groups]
+
+    @endpoint(batch=Batching(max_size=MAX_BATCH_PAIRS, max_wait_s=0.002, size_fn=group_pairs))
+    async def score_group_parts(
+        self, groups: list[tuple[Prompt, list[str]]]
+    ) -> list[list[dict[str, float] | Exception]]:
+        """``score_groups`` with each function's own reward, unweighted, by name: what the caller
+        needs to log every source apart, normalise each and weigh them itself."""
+        record_metric("reward/batch_size", sum(len(texts) for _, texts in groups))
+        return [[self.reward.parts_one(prompt, text) for text in texts] for prompt, texts in groups]

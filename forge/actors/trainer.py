@@ -69,7 +69,7 @@ from forge.losses.grpo import LOSS_NORMALISERS
 from forge.models import PaddedBatch, right_pad
 from forge.models.export import TIED_HEAD, write_hf_folder
 from forge.packing import Packed
-from forge.types import EpisodeBatch, SFTBatch
+from forge.types import EpisodeBatch, PreferenceBatch, SFTBatch
 
 if TYPE_CHECKING:
     from forge.actors.trainer_lora import AdapterFolders
@@ -84,7 +84,7 @@ logger = logging.getLogger("forge.trainer")
 # ``pg_loss``, ``kl_loss``) are normalised like the loss, as ``loss_type`` says.
 _TOKEN_MEANS = frozenset({"kl", "clip_fraction", "ratio_mean", "mismatch_mean"})
 
-B = TypeVar("B", bound=Packed)  # a step's batch: EpisodeBatch (GRPO) or SFTBatch (SFT, eval)
+B = TypeVar("B", bound=Packed)  # a step's batch: EpisodeBatch (GRPO), SFTBatch (SFT, eval), PreferenceBatch
 
 
 def _check_batch(batch: Any, kind: type[Packed], endpoint_name: str, how: str) -> None:
@@ -138,7 +138,12 @@ class Trainer(ForgeActor):
             self._checkpoint_group = side_group(self.rank)
         self.device = self.rank.device
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=getattr(torch, cfg.dtype))
+        if cfg.head == "scalar":  # a reward model: the checkpoint under a one-output classification head
+            from forge.actors.trainer_pairs import scalar_head_model
+
+            model = scalar_head_model(cfg.model_path, getattr(torch, cfg.dtype), cfg.pad_id)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=getattr(torch, cfg.dtype))
         if cfg.lora is not None:  # before sharding: FSDP2 shards each layer with its adapter
             from forge.models.lora import inject
 
@@ -178,6 +183,44 @@ class Trainer(ForgeActor):
         self.model.train()
         sums = all_reduce_sum({"nll": total, "tokens": tokens}, self.rank)
         return {"loss": sums["nll"] / max(sums["tokens"], 1.0), "tokens": sums["tokens"]}
+
+    @endpoint
+    async def preference_step(self, batch: PreferenceBatch) -> dict[str, float]:
+        """One optimizer step on preference pairs: a scalar head's Bradley-Terry loss (a reward
+        model, ``head: scalar``) or, on a causal LM, DPO's loss against the pairs' reference
+        logprobs (``dpo_beta``, ``dpo_loss``). Returns the loss and the pairs' means of
+        ``accuracy`` and ``margin`` (``forge.losses.preference``), with the step's statistics."""
+        _check_batch(batch, PreferenceBatch, "preference_step", "PreferenceBatch.pack(examples)")
+        return self._step(batch, self._pack_pairs, self._pair_loss, "rows")
+
+    @endpoint
+    async def preference_eval(self, batch: PreferenceBatch) -> dict[str, float]:
+        """``preference_step``'s loss and statistics on held-out pairs, without a gradient or a
+        step: ``{"loss", "accuracy", "margin", ...}``, each a mean over the pairs."""
+        _check_batch(batch, PreferenceBatch, "preference_eval", "PreferenceBatch.pack(examples)")
+        sums: dict[str, float] = {"pairs": 0.0}
+        self.model.eval()
+        with torch.no_grad():
+            for micro in self._my_micro_batches(batch):
+                loss, stats = self._pair_loss(micro, self._pack_pairs(micro))
+                n = float(len(micro))
+                for name, value in {"loss": loss, **stats}.items():
+                    sums[name] = sums.get(name, 0.0) + float(value) * n
+                sums["pairs"] += n
+        self.model.train()
+        sums = all_reduce_sum(sums, self.rank)
+        pairs = max(sums.pop("pairs"), 1.0)
+        return {name: total / pairs for name, total in sums.items()}
+
+    def _pack_pairs(self, batch: PreferenceBatch) -> PaddedBatch:
+        from forge.actors.trainer_pairs import pair_rows
+
+        return pair_rows(batch, self.config.pad_id)
+
+    def _pair_loss(self, batch: PreferenceBatch, padded: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from forge.actors.trainer_pairs import pair_loss
+
+        return pair_loss(self.model, batch, padded, self.device, self.config)
 
     def _my_micro_batches(self, batch: B) -> list[B]:
         """This rank's equal slice of a step's batch, in micro-batches of ``micro_batch_size``

@@ -14,9 +14,18 @@ from dataclasses import dataclass, field
 from forge.losses.grpo import check_loss_type
 from forge.models.lora import LoraSettings
 
-__all__ = ["LR_SCHEDULES", "GRPOLossSettings", "OptimizerSettings", "TrainerConfig", "TrainerSettings"]
+__all__ = [
+    "HEADS",
+    "LR_SCHEDULES",
+    "DPOSettings",
+    "GRPOLossSettings",
+    "OptimizerSettings",
+    "TrainerConfig",
+    "TrainerSettings",
+]
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+HEADS = ("lm", "scalar")
 
 
 @dataclass(kw_only=True)
@@ -106,6 +115,24 @@ class GRPOLossSettings:
 
 
 @dataclass(kw_only=True)
+class DPOSettings:
+    """DPO's knobs (``forge.losses.dpo_loss``), for ``Trainer.preference_step`` on a causal LM."""
+
+    dpo_beta: float = 0.1
+    """How far the trained model may move from the reference: the implicit reward's scale."""
+    dpo_loss: str = "sigmoid"
+    """``sigmoid`` (DPO's Bradley-Terry on the implicit rewards) or ``ipo``."""
+
+    def __post_init__(self) -> None:
+        from forge.losses import DPO_LOSSES
+
+        if self.dpo_loss not in DPO_LOSSES:
+            raise ValueError(f"dpo_loss must be one of {', '.join(DPO_LOSSES)}, got {self.dpo_loss!r}")
+        if self.dpo_beta <= 0:
+            raise ValueError(f"dpo_beta must be > 0, got {self.dpo_beta}")
+
+
+@dataclass(kw_only=True)
 class TrainerSettings(GRPOLossSettings, OptimizerSettings):
     """Everything a user tunes in a GRPO trainer: the optimizer's settings and the loss's."""
 
@@ -116,9 +143,9 @@ class TrainerSettings(GRPOLossSettings, OptimizerSettings):
 
 
 @dataclass(kw_only=True)
-class TrainerConfig(TrainerSettings):
+class TrainerConfig(TrainerSettings, DPOSettings):
     """Everything the trainer needs: its settings plus what the run decides (model, seed, the
-    sampler's temperature, where checkpoints go)."""
+    sampler's temperature, where checkpoints go, the model's head)."""
 
     model_path: str
     """Hugging Face checkpoint folder to start from (the policy's version 0)."""
@@ -137,12 +164,24 @@ class TrainerConfig(TrainerSettings):
     times turns for multi-turn): ``loss_type`` ``dr_grpo``'s constant length, needed (> 0) there."""
     total_steps: int = 0
     """The run's optimizer steps: where ``linear``/``cosine`` schedules reach 0 (needed, > 0, there)."""
+    head: str = "lm"
+    """``lm``: the causal LM (GRPO, SFT, DPO); ``scalar``: a reward model, ``transformers``'
+    sequence-classification head with one output over the same checkpoint (a head that is not in
+    the checkpoint starts random), trained by ``preference_step`` with the Bradley-Terry loss."""
     ref_from_base: bool = False
     """With ``lora``: the loss's reference logprobs are the frozen base's, computed here with the
     adapter off, and the episodes' ``ref_logprobs`` are not read (no reference model runs)."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        TrainerSettings.__post_init__(self)
+        DPOSettings.__post_init__(self)
+        if self.head not in HEADS:
+            raise ValueError(f"head must be one of {', '.join(HEADS)}, got {self.head!r}")
+        if self.head == "scalar" and (self.lora is not None or self.pack_sequences):
+            raise ValueError(
+                "a scalar head (a reward model) trains every weight, right-padded: "
+                "set lora null and pack_sequences false"
+            )
         if self.ref_from_base and self.lora is None:
             raise ValueError("ref_from_base needs lora: without an adapter the trained model has no frozen base")
         check_loss_type(self.loss_type, self.max_response_tokens)

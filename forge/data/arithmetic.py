@@ -26,7 +26,7 @@ from pathlib import Path
 from forge.checks import check_int
 from forge.staging import staged_folder
 
-__all__ = ["TASKS", "addition_record", "make_task_data", "write_addition"]
+__all__ = ["TASKS", "addition_record", "make_task_data", "near_miss", "write_addition", "write_addition_preferences"]
 
 
 def addition_record(a: int, b: int, digits: int, reversed_operands: bool = False) -> dict[str, str]:
@@ -36,6 +36,21 @@ def addition_record(a: int, b: int, digits: int, reversed_operands: bool = False
     if reversed_operands:
         x, y = x[::-1], y[::-1]
     return {"question": f"{x}+{y}=", "answer": f"{a + b:0{digits + 1}d}"[::-1]}
+
+
+def _operand_splits(digits: int, train_size: int, test_size: int, seed: int) -> list[tuple[str, list[tuple[int, int]]]]:
+    """``[("test", pairs), ("train", pairs)]``: ``train_size + test_size`` distinct operand pairs
+    drawn with ``seed``, the first ``test_size`` of them the test split."""
+    for name, value in (("digits", digits), ("train_size", train_size), ("test_size", test_size)):
+        check_int(name, value, 1)
+    space = 10 ** (2 * digits)
+    if train_size + test_size > space:
+        raise ValueError(
+            f"train_size + test_size ({train_size + test_size}) exceeds the {space} distinct {digits}-digit pairs"
+        )
+    codes = random.Random(f"forge.addition:{digits}:{seed}").sample(range(space), train_size + test_size)
+    operands = [divmod(code, 10**digits) for code in codes]
+    return [("test", operands[:test_size]), ("train", operands[test_size:])]
 
 
 def write_addition(
@@ -56,24 +71,53 @@ def write_addition(
     place in each operand and in the answer. Written atomically (a finished folder or none).
     Returns the folder.
     """
-    for name, value in (("digits", digits), ("train_size", train_size), ("test_size", test_size)):
-        check_int(name, value, 1)
-    space = 10 ** (2 * digits)
-    if train_size + test_size > space:
-        raise ValueError(
-            f"train_size + test_size ({train_size + test_size}) exceeds the {space} distinct {digits}-digit pairs"
-        )
-    rng = random.Random(f"forge.addition:{digits}:{seed}")
-    codes = rng.sample(range(space), train_size + test_size)
-    operands = [divmod(code, 10**digits) for code in codes]
     with staged_folder(Path(folder), prefix=".tmp_data_") as tmp:
-        for name, part in (("test", operands[:test_size]), ("train", operands[test_size:])):
+        for name, part in _operand_splits(digits, train_size, test_size, seed):
             lines = (json.dumps(addition_record(a, b, digits, reversed_operands)) for a, b in part)
             (tmp / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     return Path(folder)
 
 
-TASKS = {"addition": write_addition}
+def near_miss(answer: str, rng: random.Random) -> str:
+    """``answer`` with one digit changed (a place and a wrong digit drawn from ``rng``): the
+    rejected response of a preference pair, as close to the right answer as a wrong one can be."""
+    place = rng.randrange(len(answer))
+    wrong = rng.choice([d for d in "0123456789" if d != answer[place]])
+    return answer[:place] + wrong + answer[place + 1 :]
+
+
+def write_addition_preferences(
+    folder: str | Path,
+    *,
+    digits: int = 3,
+    train_size: int = 20_000,
+    test_size: int = 1_000,
+    seed: int = 0,
+    reversed_operands: bool = False,
+) -> Path:
+    """Write ``train.jsonl`` and ``test.jsonl`` of addition preference pairs into ``folder``.
+
+    Each record is ``{"prompt", "chosen", "rejected", "answer"}`` (TRL's preference format, and
+    the answer a checker reads): the prompt and the correct sum of ``addition_record``, preferred
+    over a near miss (``near_miss``: one digit wrong). The operand pairs are drawn as
+    ``write_addition`` draws them, with the same ``seed``, so the test pairs here are the test
+    pairs of the addition records made with the same settings: a reward model never sees a
+    held-out question of the policy it will judge. Written atomically; returns the folder.
+    """
+    misses = random.Random(f"forge.addition_preferences:{digits}:{seed}")
+    with staged_folder(Path(folder), prefix=".tmp_data_") as tmp:
+        for name, part in _operand_splits(digits, train_size, test_size, seed):
+            lines = []
+            for a, b in part:
+                record = addition_record(a, b, digits, reversed_operands)
+                answer = record["answer"]
+                pair = {"prompt": record["question"], "chosen": answer, "rejected": near_miss(answer, misses)}
+                lines.append(json.dumps({**pair, "answer": answer}))
+            (tmp / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return Path(folder)
+
+
+TASKS = {"addition": write_addition, "addition_preferences": write_addition_preferences}
 """Generated tasks an app's ``data.make_if_missing`` can name, with their writer."""
 
 

@@ -64,8 +64,11 @@ class DataSource:
             raise ValueError(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
 
 
-def load_split(source: DataSource) -> datasets.Dataset:
-    """The records ``source`` names, checked: the split exists, has the keys and is not empty."""
+def load_split(source: DataSource, keys: dict[str, str] | None = None) -> datasets.Dataset:
+    """The records ``source`` names, checked: the split exists, has the keys and is not empty.
+
+    ``keys``: the fields every record needs, by the setting that names each (a ``DataError``
+    names the setting); by default ``question_key`` and ``answer_key``."""
     splits = _load_splits(source)
     name = source.split
     if source.held_out_fraction > 0:
@@ -82,7 +85,9 @@ def load_split(source: DataSource) -> datasets.Dataset:
     if name not in splits:
         raise DataError(f"{source.path}: no split {name!r}; it has {', '.join(sorted(splits))}")
     records = splits[name]
-    for what, key in (("question_key", source.question_key), ("answer_key", source.answer_key)):
+    if keys is None:
+        keys = {"question_key": source.question_key, "answer_key": source.answer_key}
+    for what, key in keys.items():
         if key not in records.column_names:
             raise DataError(
                 f"{source.path} (split {name!r}): no field {key!r} ({what}); its fields are "

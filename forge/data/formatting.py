@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from forge.types import SFTExample
+from forge.types import PreferenceExample, SFTExample
 
 __all__ = ["PromptFormat"]
 
@@ -71,6 +71,11 @@ class PromptFormat:
         else:
             answer_ids = self._ids(answer, special=False) + [self.tokenizer.eos_token_id]
         return SFTExample(torch.tensor(self._ids(prompt, special=True)), torch.tensor(answer_ids))
+
+    def preference_example(self, question: str, chosen: str, rejected: str) -> PreferenceExample:
+        """A preference pair's ids: the prompt once, each response written as an SFT answer is."""
+        good, bad = self.sft_example(question, chosen), self.sft_example(question, rejected)
+        return PreferenceExample(good.prompt_ids, good.answer_ids, bad.answer_ids)
 
     def _ids(self, text: str, special: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special).input_ids)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from apps.common.config import RecordsSection
-from apps.sft.config import SFTConfig, SFTEvalSection, SFTTrainerSection
+from apps.common.config import OptimizerSection, RecordsSection
+from apps.sft.config import SFTConfig, SFTEvalSection
 
 
 def _config(**kwargs) -> SFTConfig:
@@ -15,7 +15,7 @@ def _config(**kwargs) -> SFTConfig:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"batch_size": 6, "trainer": SFTTrainerSection(procs=4)}, r"\(4\) must divide batch_size \(6\)"),
+        ({"batch_size": 6, "trainer": OptimizerSection(procs=4)}, r"\(4\) must divide batch_size \(6\)"),
         ({"data": RecordsSection()}, "data.path is required"),
         ({"eval": SFTEvalSection(every=-1)}, "eval.every must be >= 0"),
         ({"eval": SFTEvalSection(stop_at_accuracy=0.5)}, "stop_at_accuracy needs eval.generate and eval.every > 0"),
@@ -33,6 +33,6 @@ def test_settings_that_cannot_work_are_refused_naming_them(kwargs: dict, message
 
 def test_a_batch_the_ranks_split_evenly_and_stopping_at_a_measured_accuracy_are_accepted() -> None:
     cfg = _config(
-        batch_size=8, trainer=SFTTrainerSection(procs=2, hosts=2), eval=SFTEvalSection(every=5, stop_at_accuracy=0.2)
+        batch_size=8, trainer=OptimizerSection(procs=2, hosts=2), eval=SFTEvalSection(every=5, stop_at_accuracy=0.2)
     )
     assert cfg.checkpoint_dir.endswith("checkpoints")
