@@ -269,6 +269,24 @@ class TrainingSections(RunSections):
         return str(Path(self.logging.output_dir) / "checkpoints")
 
 
+def check_batch_run(cfg: Any, items: str, data: str) -> None:
+    """The rules of a run of ``steps`` optimizer steps of ``batch_size`` ``items`` from
+    ``data.path`` (SFT, the preference apps): positive sizes, an equal share per trainer rank,
+    and the data named (``data`` says what it holds)."""
+    for name in ("steps", "batch_size"):
+        value = getattr(cfg, name)
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    ranks = cfg.trainer.procs * max(1, cfg.trainer.hosts)
+    if cfg.batch_size % ranks:
+        raise ValueError(
+            f"trainer.hosts x trainer.procs ({ranks}) must divide batch_size ({cfg.batch_size}): each rank "
+            f"trains on an equal share of a step's {items}"
+        )
+    if not cfg.data.path:
+        raise ValueError(f"data.path is required: {data}")
+
+
 def settings(section: object, settings_cls: type) -> dict[str, Any]:
     """The fields of ``settings_cls`` (e.g. ``TrainerSettings``) as a config section holds them."""
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(settings_cls)}

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apps.common import cli
-from apps.common.config import LoggingSection, OptimizerSection, RecordsSection, TrainingSections
+from apps.common.config import LoggingSection, OptimizerSection, RecordsSection, TrainingSections, check_batch_run
 from apps.common.inputs import make_model, prepare_data, records_source
 from apps.common.launch import Roles, RoleSpec, RunResources, assign_gpus, open_run, start_all, start_role
 from apps.common.roles import call_role
@@ -98,18 +98,7 @@ class PreferenceSections(TrainingSections):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("steps", "batch_size"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        ranks = self.trainer.procs * max(1, self.trainer.hosts)
-        if self.batch_size % ranks:
-            raise ValueError(
-                f"trainer.hosts x trainer.procs ({ranks}) must divide batch_size ({self.batch_size}): each rank "
-                "trains on an equal share of a step's pairs"
-            )
-        if not self.data.path:
-            raise ValueError("data.path is required: the preference records (prompt, chosen, rejected)")
+        check_batch_run(self, "pairs", "the preference records (prompt, chosen, rejected)")
         for name in ("every", "pairs"):
             value = getattr(self.eval, name)
             if value < 0:

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apps.common.config import EvalSamplingSection, LoggingSection, OptimizerSection, RecordsSection, TrainingSections
+from apps.common.config import (
+    EvalSamplingSection,
+    LoggingSection,
+    OptimizerSection,
+    RecordsSection,
+    TrainingSections,
+    check_batch_run,
+)
 
 
 @dataclass(kw_only=True)
@@ -52,18 +59,7 @@ class SFTConfig(TrainingSections):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("steps", "batch_size"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        ranks = self.trainer.procs * max(1, self.trainer.hosts)
-        if self.batch_size % ranks:
-            raise ValueError(
-                f"trainer.hosts x trainer.procs ({ranks}) must divide batch_size ({self.batch_size}): each rank "
-                "trains on an equal share of a step's examples"
-            )
-        if not self.data.path:
-            raise ValueError("data.path is required: the SFT records (jsonl, json, parquet, csv or save_to_disk)")
+        check_batch_run(self, "examples", "the SFT records (jsonl, json, parquet, csv or save_to_disk)")
         for name in ("every", "loss_examples"):
             value = getattr(self.eval, name)
             if value < 0:

@@ -79,11 +79,20 @@ def write_addition(
 
 
 def near_miss(answer: str, rng: random.Random) -> str:
-    """``answer`` with one digit changed (a place and a wrong digit drawn from ``rng``): the
-    rejected response of a preference pair, as close to the right answer as a wrong one can be."""
-    place = rng.randrange(len(answer))
-    wrong = rng.choice([d for d in "0123456789" if d != answer[place]])
-    return answer[:place] + wrong + answer[place + 1 :]
+    """A wrong answer close to ``answer``, the rejected response of a preference pair, drawn from
+    ``rng``: half the time one digit changed, a quarter two digits changed, a quarter one digit
+    dropped or added (a sampled policy makes all three; a reward model that saw only one kind
+    scores the others blindly, and a policy trained on it finds them)."""
+    kind = rng.random()
+    if kind < 0.25 and len(answer) > 1:
+        place = rng.randrange(len(answer))
+        if rng.random() < 0.5:
+            return answer[:place] + answer[place + 1 :]
+        return answer[:place] + rng.choice("0123456789") + answer[place:]
+    wrong = answer
+    for place in rng.sample(range(len(answer)), 2 if kind < 0.5 and len(answer) > 1 else 1):
+        wrong = wrong[:place] + rng.choice([d for d in "0123456789" if d != answer[place]]) + wrong[place + 1 :]
+    return wrong
 
 
 def write_addition_preferences(
@@ -99,7 +108,7 @@ def write_addition_preferences(
 
     Each record is ``{"prompt", "chosen", "rejected", "answer"}`` (TRL's preference format, and
     the answer a checker reads): the prompt and the correct sum of ``addition_record``, preferred
-    over a near miss (``near_miss``: one digit wrong). The operand pairs are drawn as
+    over a near miss (``near_miss``: one or two digits wrong, or one dropped or added). The operand pairs are drawn as
     ``write_addition`` draws them, with the same ``seed``, so the test pairs here are the test
     pairs of the addition records made with the same settings: a reward model never sees a
     held-out question of the policy it will judge. Written atomically; returns the folder.

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from apps.dpo.config import DPOConfig
 from apps.eval.config import EvalAppConfig
 from apps.grpo.config import GRPOConfig
 from apps.multi_lora.config import MultiLoraConfig
+from apps.rm.config import RMConfig
 from apps.serve.config import ServeConfig
 from apps.sft.config import SFTConfig
 from forge.config import load_config
@@ -28,6 +30,8 @@ SOURCES = [
     "apps/eval/main.py",
     "apps/multi_lora/main.py",
     "apps/serve/main.py",
+    "apps/rm/main.py",
+    "apps/dpo/main.py",
     *sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml")),
 ]
 SCHEMAS = {
@@ -36,8 +40,12 @@ SCHEMAS = {
     "eval": EvalAppConfig,
     "multi_lora": MultiLoraConfig,
     "serve": ServeConfig,
+    "rm": RMConfig,
+    "dpo": DPOConfig,
 }
-_LAUNCHERS = re.compile(r"(?:(scripts/grpo\.sh)|-m apps\.(grpo|sft|eval|multi_lora|serve)\.main)\b(.*)|^(--config\s.*)")
+_LAUNCHERS = re.compile(
+    r"(?:(scripts/grpo\.sh)|-m apps\.(grpo|sft|eval|multi_lora|serve|rm|dpo)\.main)\b(.*)|^(--config\s.*)"
+)
 
 
 def _snippets(source: str) -> list[str]:
