@@ -21,7 +21,13 @@ def config(path: str = "configs/grpo_tiny.yaml", *overrides: str) -> GRPOConfig:
 
 def test_the_one_gpu_config_puts_every_gpu_role_on_gpu_0():
     cfg = config("configs/qwen3_1_7b_1gpu.yaml", *PATHS)
-    assert assign_gpus(cfg, visible=["0"]) == {"policy": ["0"], "reference": ["0"], "reward": None, "trainer": ["0"]}
+    assert assign_gpus(cfg, visible=["0"]) == {
+        "policy": ["0"],
+        "reference": ["0"],
+        "reward": None,
+        "reward_model": None,
+        "trainer": ["0"],
+    }
     assert cfg.policy.engine_kwargs["gpu_memory_utilization"] < 0.5  # leaves room for the others
 
 
@@ -31,6 +37,7 @@ def test_the_three_gpu_config_gives_each_role_its_own_gpu():
         "policy": ["0"],
         "reference": ["1"],
         "reward": None,
+        "reward_model": None,
         "trainer": ["2"],
     }
 
@@ -49,6 +56,7 @@ def test_roles_without_listed_gpus_take_the_free_ones_after_a_tensor_parallel_po
         "policy": ["0", "1"],
         "reference": ["2"],
         "reward": None,
+        "reward_model": None,
         "trainer": ["3", "4"],
     }
 
@@ -105,5 +113,6 @@ def test_the_readme_slurm_example_splits_each_nodes_gpus_between_the_roles():
         "policy": ["0", "1", "2"],
         "reference": ["7"],
         "reward": None,
+        "reward_model": None,
         "trainer": ["3", "4", "5", "6"],
     }
