@@ -269,6 +269,21 @@ class TrainingSections(RunSections):
         return str(Path(self.logging.output_dir) / "checkpoints")
 
 
+def trainer_ranks(cfg: Any) -> int:
+    """The trainer's ranks, ``hosts x procs``: what a step's batch is split between."""
+    return cfg.trainer.procs * max(1, cfg.trainer.hosts)
+
+
+def rank_shares(items: list[Any], cfg: Any, what: str) -> list[Any]:
+    """``items`` cut to a multiple of the trainer's ranks, so each rank scores an equal share of a
+    held-out batch; a split with fewer ``what`` than ranks is a ``ValueError``."""
+    ranks = trainer_ranks(cfg)
+    n = len(items) - len(items) % ranks
+    if n == 0:
+        raise ValueError(f"the held-out split has {len(items)} {what}, fewer than the trainer's {ranks} ranks")
+    return items[:n]
+
+
 def check_batch_run(cfg: Any, items: str, data: str) -> None:
     """The rules of a run of ``steps`` optimizer steps of ``batch_size`` ``items`` from
     ``data.path`` (SFT, the preference apps): positive sizes, an equal share per trainer rank,
@@ -277,7 +292,7 @@ def check_batch_run(cfg: Any, items: str, data: str) -> None:
         value = getattr(cfg, name)
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    ranks = cfg.trainer.procs * max(1, cfg.trainer.hosts)
+    ranks = trainer_ranks(cfg)
     if cfg.batch_size % ranks:
         raise ValueError(
             f"trainer.hosts x trainer.procs ({ranks}) must divide batch_size ({cfg.batch_size}): each rank "

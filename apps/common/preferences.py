@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apps.common import cli
-from apps.common.config import LoggingSection, OptimizerSection, RecordsSection, TrainingSections, check_batch_run
+from apps.common.config import (
+    LoggingSection,
+    OptimizerSection,
+    RecordsSection,
+    TrainingSections,
+    check_batch_run,
+    rank_shares,
+)
 from apps.common.inputs import make_model, prepare_data, records_source
 from apps.common.launch import Roles, RoleSpec, RunResources, assign_gpus, open_run, start_all, start_role
 from apps.common.roles import call_role
@@ -141,13 +148,9 @@ class PairData:
         self.epochs: PromptEpochs = PromptEpochs(load_preference_pairs(source, cfg.data.keys()), cfg.seed)
         self.held_out: list[PreferencePair] = []
         if cfg.eval.pairs:
-            ranks = cfg.trainer.procs * max(1, cfg.trainer.hosts)
             held = dataclasses.replace(source, split=cfg.eval.split)
             pairs = load_preference_pairs(held, cfg.data.keys())[: cfg.eval.pairs]
-            n = len(pairs) - len(pairs) % ranks
-            if n == 0:
-                raise ValueError(f"the held-out split has {len(pairs)} pairs, fewer than the trainer's {ranks} ranks")
-            self.held_out = pairs[:n]
+            self.held_out = rank_shares(pairs, cfg, "pairs")
 
     def examples(self, pairs: list[PreferencePair]) -> list[PreferenceExample]:
         return [self.fmt.preference_example(p.prompt, p.chosen, p.rejected) for p in pairs]
@@ -170,7 +173,7 @@ async def run_preferences(app: PreferenceApp, cfg: PreferenceSections, terminal:
     roles, resources = Roles(), RunResources()
     log: StepLog | None = None
     try:
-        resources = await open_run(cfg, getattr(cfg, "weight_sync", None) if app.evaluate else None)
+        resources = await open_run(cfg, cfg.weight_sync if app.evaluate else None)
         specs = app.role_specs(cfg, model_path, resources)
         gpus = assign_gpus(cfg, roles=tuple(s.name for s in specs))
         await start_all(roles, {s.name: start_role(s, cfg, gpus, resources.host_pool) for s in specs})

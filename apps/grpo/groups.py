@@ -139,17 +139,19 @@ class SingleTurnGroups:
                 self._checked(await call_role("reward", self.roles.reward.score_groups.route(request)), len(group)),
                 dtype=torch.float32,
             )
-        learned = None
-        if self.mix.settings.fns and self.mix.settings.models:
-            parts, learned = await asyncio.gather(
-                call_role("reward", self.roles.reward.score_group_parts.route(request)),
-                call_role("reward_model", self.roles.reward_model.score_groups.route(request)),
-            )
-        elif self.mix.settings.fns:
-            parts = await call_role("reward", self.roles.reward.score_group_parts.route(request))
-        else:
-            parts = [{}] * len(group)
-            learned = await call_role("reward_model", self.roles.reward_model.score_groups.route(request))
+        sources = self.mix.settings
+
+        async def fn_parts() -> list[Any]:
+            if not sources.fns:
+                return [{}] * len(group)
+            return await call_role("reward", self.roles.reward.score_group_parts.route(request))
+
+        async def model_scores() -> list[list[float]] | None:
+            if not sources.models:
+                return None
+            return await call_role("reward_model", self.roles.reward_model.score_groups.route(request))
+
+        parts, learned = await asyncio.gather(fn_parts(), model_scores())
         if learned is not None:
             check_count("reward_model", "reward-model scores", len(group), len(learned))
         return self.mix.combine(self._checked(parts, len(group)), learned)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import forge.controller  # noqa: F401  (before anything imports monarch)
 from apps.common import cli
-from apps.common.config import settings
+from apps.common.config import rank_shares, settings
 from apps.common.evaluation import EvalPlan, eval_source
 from apps.common.inputs import make_model, prepare_data, records_source
 from apps.common.launch import (
@@ -223,12 +223,8 @@ def held_out_batch(cfg: SFTConfig, fmt: PromptFormat) -> SFTBatch | None:
     None when ``eval.loss_examples`` is 0."""
     if not cfg.eval.loss_examples:
         return None
-    ranks = cfg.trainer.procs * max(1, cfg.trainer.hosts)
     prompts = load_prompts(eval_source(cfg.eval, cfg.data))[: cfg.eval.loss_examples]
-    n = len(prompts) - len(prompts) % ranks
-    if n == 0:
-        raise ValueError(f"the held-out split has {len(prompts)} records, fewer than the trainer's {ranks} ranks")
-    return SFTBatch.pack([fmt.sft_example(p.text, p.answer) for p in prompts[:n]])
+    return SFTBatch.pack([fmt.sft_example(p.text, p.answer) for p in rank_shares(prompts, cfg, "records")])
 
 
 def eval_plan(cfg: SFTConfig, model_path: str) -> EvalPlan | None:

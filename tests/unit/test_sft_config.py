@@ -36,3 +36,15 @@ def test_a_batch_the_ranks_split_evenly_and_stopping_at_a_measured_accuracy_are_
         batch_size=8, trainer=OptimizerSection(procs=2, hosts=2), eval=SFTEvalSection(every=5, stop_at_accuracy=0.2)
     )
     assert cfg.checkpoint_dir.endswith("checkpoints")
+
+
+def test_a_held_out_batch_is_cut_to_the_trainers_ranks_and_too_few_records_are_refused():
+    """SFT's held-out loss batch and the preference apps' held-out pairs: equal shares per rank."""
+    from types import SimpleNamespace
+
+    from apps.common.config import rank_shares
+
+    cfg = SimpleNamespace(trainer=SimpleNamespace(procs=2, hosts=2))
+    assert rank_shares(list(range(10)), cfg, "pairs") == list(range(8))
+    with pytest.raises(ValueError, match="the held-out split has 3 records, fewer than the trainer's 4 ranks"):
+        rank_shares([1, 2, 3], cfg, "records")
