@@ -212,6 +212,14 @@ class EpisodeBatch(Packed):
     token_versions: torch.Tensor | None = per_token("response_lens", torch.long, fill=-1)
     """The version that sampled each response token; -1: none recorded (an environment's token,
     or an episode packed without versions)."""
+    token_advantages: torch.Tensor | None = per_token("response_lens", torch.float32, fill=0.0)
+    """PPO: each response token's advantage (``forge.losses.ppo.gae``), used instead of
+    ``advantages``; None: GRPO's, one per episode."""
+    returns: torch.Tensor | None = per_token("response_lens", torch.float32, fill=0.0)
+    """PPO: each response token's return, the critic's regression target; None without a critic."""
+    values: torch.Tensor | None = per_token("response_lens", torch.float32, fill=0.0)
+    """PPO: the critic's value of each response token when ``returns`` were made (value clipping's
+    anchor); None without a critic."""
 
     @property
     def policy_version(self) -> int:

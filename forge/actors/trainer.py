@@ -50,7 +50,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from forge import checkpoint
-from forge.actors.trainer_batches import batch_logprobs, counts, forward_token_counts, pair_logprobs
+from forge.actors.trainer_batches import (
+    batch_logprobs,
+    counts,
+    forward_token_counts,
+    pair_logprobs,
+    trained_tokens,
+)
 from forge.actors.trainer_config import GRPOLossSettings, OptimizerSettings, TrainerConfig, TrainerSettings
 from forge.controller import ForgeActor, endpoint
 from forge.distributed import (
@@ -58,13 +64,14 @@ from forge.distributed import (
     all_reduce_max,
     all_reduce_sum,
     full_state_dict,
+    gather_objects,
     init_spmd,
     local_state_bytes,
     shard_model,
     shutdown_spmd,
     side_group,
 )
-from forge.losses import grpo_loss, sft_loss, trainable_lengths
+from forge.losses import grpo_loss, sft_loss
 from forge.losses.grpo import LOSS_NORMALISERS
 from forge.models import PaddedBatch, right_pad
 from forge.models.export import TIED_HEAD, write_hf_folder
@@ -82,7 +89,7 @@ logger = logging.getLogger("forge.trainer")
 
 # Statistics that are means over tokens; ``*_max`` ones are maxima; the rest (``loss``,
 # ``pg_loss``, ``kl_loss``) are normalised like the loss, as ``loss_type`` says.
-_TOKEN_MEANS = frozenset({"kl", "clip_fraction", "ratio_mean", "mismatch_mean"})
+_TOKEN_MEANS = frozenset({"kl", "clip_fraction", "ratio_mean", "mismatch_mean", "value_clip_fraction", "value_mean"})
 
 B = TypeVar("B", bound=Packed)  # a step's batch: EpisodeBatch (GRPO), SFTBatch (SFT, eval), PreferenceBatch
 
@@ -212,6 +219,43 @@ class Trainer(ForgeActor):
         pairs = max(sums.pop("pairs"), 1.0)
         return {name: total / pairs for name, total in sums.items()}
 
+    @endpoint
+    async def value_step(self, batch: EpisodeBatch) -> dict[str, float]:
+        """One critic optimizer step (``head: scalar``, PPO's value function): the clipped value
+        loss (``value_clip``) of the batch's trained tokens against its ``returns``, anchored at its
+        ``values``, a token mean. Returns ``loss``, ``value_clip_fraction``, ``value_mean`` and the
+        step's statistics."""
+        self._need_scalar_head("value_step")
+        _check_batch(batch, EpisodeBatch, "value_step", "EpisodeBatch with returns and values")
+        return self._step(batch, self._pack, self._critic_loss, "tokens")
+
+    @endpoint
+    async def token_values(self, batch: EpisodeBatch) -> torch.Tensor:
+        """The critic's value of every response token of ``batch``, flat like ``response_ids``
+        (float32): each rank scores its slice without a gradient, and the slices are gathered."""
+        from forge.actors.trainer_values import position_values
+
+        self._need_scalar_head("token_values")
+        _check_batch(batch, EpisodeBatch, "token_values", "EpisodeBatch.concat(groups)")
+        mine: list[torch.Tensor] = []
+        self.model.eval()
+        with torch.no_grad():
+            for micro in self._my_micro_batches(batch):
+                padded = self._pack(micro)
+                values = position_values(self.model, padded, self.device)
+                mine.append(values[padded.response_mask.to(self.device)].cpu())
+        self.model.train()
+        return torch.cat([torch.cat(part) for part in gather_objects(mine, self.rank)])
+
+    def _need_scalar_head(self, endpoint_name: str) -> None:
+        if self.config.head != "scalar":
+            raise ValueError(f"Trainer.{endpoint_name} is a critic's: it needs head 'scalar', got {self.config.head!r}")
+
+    def _critic_loss(self, batch: EpisodeBatch, padded: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from forge.actors.trainer_values import critic_loss
+
+        return critic_loss(self.model, batch, padded, self.device, self.config)
+
     def _pack_pairs(self, batch: PreferenceBatch) -> PaddedBatch:
         from forge.actors.trainer_pairs import pair_rows
 
@@ -300,23 +344,11 @@ class Trainer(ForgeActor):
         return float(norm)
 
     def _pack(self, batch: EpisodeBatch) -> PaddedBatch:
-        """One micro-batch padded once, from its flat tensors."""
+        """One micro-batch padded once, from its flat tensors; its loss mask is ``trained_tokens``'."""
         cfg = self.config
-        keep = None
-        # A multi-turn batch's own mask says what is trained: there a stop token ends a turn, not the response.
-        if batch.loss_mask is None:  # nothing after the first stop token; with mask_truncated, nothing of a cut one
-            keep = trainable_lengths(
-                batch.response_ids,
-                batch.response_lens,
-                batch.finish_reasons or ["stop"] * len(batch),
-                stop_token_ids=cfg.stop_token_ids,
-                mask_truncated=cfg.mask_truncated,
-            )
-        padded = right_pad(
-            batch.prompt_ids, batch.prompt_lens, batch.response_ids, batch.response_lens, cfg.pad_id, keep
-        )
-        if batch.loss_mask is not None:
-            padded.loss_mask = padded.loss_mask & _laid_out(batch.loss_mask, padded.response_mask)
+        padded = right_pad(batch.prompt_ids, batch.prompt_lens, batch.response_ids, batch.response_lens, cfg.pad_id)
+        trained = trained_tokens(batch, cfg.stop_token_ids, cfg.mask_truncated)
+        padded.loss_mask = _laid_out(trained, padded.response_mask)
         return padded
 
     def _loss(self, batch: EpisodeBatch, padded: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -334,7 +366,10 @@ class Trainer(ForgeActor):
         else:
             reference = logprobs.detach().clone()
             reference[mask] = batch.ref_logprobs.to(self.device, logprobs.dtype)
-        advantages = batch.advantages.to(self.device, logprobs.dtype)
+        if batch.token_advantages is not None:  # PPO's, one per token (forge.losses.ppo.gae)
+            advantages = _laid_out(batch.token_advantages, padded.response_mask).to(self.device, logprobs.dtype)
+        else:
+            advantages = batch.advantages.to(self.device, logprobs.dtype)
         return grpo_loss(
             logprobs,
             behaviour,

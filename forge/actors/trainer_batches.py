@@ -13,9 +13,36 @@ import torch
 from forge.models import PaddedBatch, forward_tokens, pack_right_padded, padded_token_logprobs
 
 if TYPE_CHECKING:
-    from forge.actors.trainer_config import TrainerConfig
+    from collections.abc import Collection
 
-__all__ = ["batch_logprobs", "counts", "forward_token_counts", "pair_logprobs"]
+    from forge.actors.trainer_config import TrainerConfig
+    from forge.types import EpisodeBatch
+
+__all__ = ["batch_logprobs", "counts", "forward_token_counts", "pair_logprobs", "trained_tokens"]
+
+
+def trained_tokens(batch: EpisodeBatch, stop_token_ids: Collection[int], mask_truncated: bool) -> torch.Tensor:
+    """Which response tokens of ``batch`` a step trains on, flat like ``response_ids`` (bool).
+
+    A multi-turn batch's own ``loss_mask`` says it (a stop token ends a turn there, not the
+    response); otherwise a response trains up to its first stop token and, with
+    ``mask_truncated``, not at all when cut at the length limit (``forge.losses.trainable_lengths``).
+    The trainer's loss and the PPO controller's advantages both read the mask from here."""
+    from forge.losses import trainable_lengths
+
+    if batch.loss_mask is not None:
+        return batch.loss_mask.bool()
+    keep = trainable_lengths(
+        batch.response_ids,
+        batch.response_lens,
+        batch.finish_reasons or ["stop"] * len(batch),
+        stop_token_ids=stop_token_ids,
+        mask_truncated=mask_truncated,
+    )
+    lens = batch.response_lens.long()
+    row = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    position = torch.arange(int(lens.sum())) - (lens.cumsum(0) - lens)[row]
+    return position < torch.tensor(keep, dtype=torch.long)[row]
 
 
 def batch_logprobs(

@@ -171,6 +171,9 @@ class TrainerConfig(TrainerSettings, DPOSettings):
     ref_from_base: bool = False
     """With ``lora``: the loss's reference logprobs are the frozen base's, computed here with the
     adapter off, and the episodes' ``ref_logprobs`` are not read (no reference model runs)."""
+    value_clip: float | None = 0.2
+    """A critic's (``value_step``) value clipping: how far one update may move a value from the
+    batch's old values before the clipped error counts (``forge.losses.ppo.value_loss``); None: off."""
 
     def __post_init__(self) -> None:
         TrainerSettings.__post_init__(self)
@@ -182,6 +185,8 @@ class TrainerConfig(TrainerSettings, DPOSettings):
                 "a scalar head (a reward model) trains every weight, right-padded: "
                 "set lora null and pack_sequences false"
             )
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"value_clip must be > 0 (or None: no clipping), got {self.value_clip}")
         if self.ref_from_base and self.lora is None:
             raise ValueError("ref_from_base needs lora: without an adapter the trained model has no frozen base")
         check_loss_type(self.loss_type, self.max_response_tokens)

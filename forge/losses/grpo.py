@@ -214,7 +214,8 @@ def grpo_loss(
     logprobs:           [B, T] current policy's logprob of each sampled token (with grad)
     behaviour_logprobs: [B, T] logprob under the policy that sampled it (no grad)
     ref_logprobs:       [B, T] logprob under the frozen reference model (no grad)
-    advantages:         [B]    one advantage per sequence, e.g. from ``group_advantages``
+    advantages:         [B]    one advantage per sequence, e.g. from ``group_advantages``; or
+                        [B, T] one per token (PPO's, ``forge.losses.ppo.gae``)
     mask:               [B, T] 1 for response tokens, 0 for padding (bool or float)
 
     Returns ``(loss [], stats)`` with stats ``kl`` (masked token mean of k3 KL),
@@ -232,10 +233,10 @@ def grpo_loss(
     for name, t in same_shape.items():
         if t.shape != logprobs.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logprobs.shape)} like logprobs")
-    if advantages.shape != logprobs.shape[:1]:
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
         raise ValueError(
             f"advantages has shape {tuple(advantages.shape)}, expected ({logprobs.shape[0]},): "
-            "one advantage per sequence"
+            f"one advantage per sequence, or {tuple(logprobs.shape)}: one per token (PPO's, forge.losses.ppo)"
         )
     if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):
         raise ValueError(f"clip_eps ({clip_eps}) and clip_eps_high ({clip_eps_high}) must be >= 0")
@@ -248,7 +249,8 @@ def grpo_loss(
 
     valid = mask.bool()  # [B, T]
     mask = valid.to(logprobs.dtype)  # [B, T]
-    adv = advantages.to(logprobs.dtype).unsqueeze(1)  # [B, 1]
+    adv = advantages.to(logprobs.dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(valid, adv, torch.zeros((), dtype=adv.dtype))  # [B, 1|T]
     # Padding may hold anything (-inf, NaN). Zero it in the inputs, not only in the output:
     # a NaN times a zero mask is still NaN, and so is a zero gradient through exp(inf).
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)

@@ -1,0 +1,60 @@
+"""How a critic (a scalar-head trainer, ``head: scalar``) reads a value at every response token
+and is trained on PPO's returns.
+
+The head's output is read at every position, as ``trainer_pairs.last_token_scores`` reads it at
+the last one; the value of position ``j`` is the critic's estimate before token ``j + 1`` is
+sampled, so the values line up with the logprobs (``PaddedBatch.response_mask``). Pure helpers,
+apart from the actor, as ``trainer_pairs``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from forge.losses.ppo import value_loss
+from forge.models import PaddedBatch
+
+if TYPE_CHECKING:
+    from forge.actors.trainer_config import TrainerConfig
+    from forge.types import EpisodeBatch
+
+__all__ = ["critic_loss", "position_values"]
+
+
+def position_values(model: torch.nn.Module, batch: PaddedBatch, device: torch.device) -> torch.Tensor:
+    """[B, L-1] the head's value at each position but the last (the state before each next token)."""
+    per_position: list[torch.Tensor] = []
+    hook = model.score.register_forward_hook(lambda _m, _i, out: per_position.append(out))
+    try:
+        model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
+    finally:
+        hook.remove()
+    return per_position[0][:, :-1, 0].float()
+
+
+def _laid_out(flat: torch.Tensor, response_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    out[response_mask] = flat.float()
+    return out.to(device)
+
+
+def critic_loss(
+    model: torch.nn.Module, batch: EpisodeBatch, padded: PaddedBatch, device: torch.device, cfg: TrainerConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's clipped value loss against the batch's ``returns`` (``forge.losses.ppo.value_loss``)."""
+    if batch.returns is None or batch.values is None:
+        raise ValueError(
+            "a critic step needs each token's return and old value: the batch's returns and values "
+            "(apps.grpo.critic.PPOTargets sets them)"
+        )
+    values = position_values(model, padded, device)
+    response = padded.response_mask
+    return value_loss(
+        values,
+        _laid_out(batch.values, response, device),
+        _laid_out(batch.returns, response, device),
+        padded.loss_mask.to(device),
+        clip=cfg.value_clip,
+    )
