@@ -22,7 +22,7 @@ from forge.types import PreferenceBatch
 if TYPE_CHECKING:
     from forge.actors.trainer_config import TrainerConfig
 
-__all__ = ["last_token_scores", "pair_loss", "pair_rows", "scalar_head_model"]
+__all__ = ["head_outputs", "last_token_scores", "pair_loss", "pair_rows", "scalar_head_model"]
 
 
 def pair_rows(batch: PreferenceBatch, pad_id: int) -> PaddedBatch:
@@ -56,19 +56,26 @@ def scalar_head_model(model_path: str, dtype: torch.dtype, pad_id: int) -> torch
     return model
 
 
+def head_outputs(model: torch.nn.Module, batch: PaddedBatch, device: torch.device) -> torch.Tensor:
+    """[B, L] a scalar-head model's output at every position, read from the head itself (its
+    pooled ``logits`` hold one position per row): a reward model's score at the last token, a
+    critic's value at each (``trainer_values``)."""
+    per_position: list[torch.Tensor] = []
+    hook = model.score.register_forward_hook(lambda _m, _i, out: per_position.append(out))
+    try:
+        model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
+    finally:
+        hook.remove()
+    return per_position[0][..., 0]
+
+
 def last_token_scores(model: torch.nn.Module, batch: PaddedBatch, device: torch.device) -> torch.Tensor:
     """[B] each row's score at its last real token.
 
     ``transformers`` pools the score at the last token that is not ``pad_token_id``, which is wrong
     for a row that ends with the pad id (an EOS used as padding); so the head's output at every
-    position is read from the head itself and taken at each row's true length."""
-    per_token: list[torch.Tensor] = []
-    hook = model.score.register_forward_hook(lambda _m, _i, out: per_token.append(out))
-    try:
-        model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
-    finally:
-        hook.remove()
-    scores = per_token[0][..., 0]  # [B, L]
+    position is read (``head_outputs``) and taken at each row's true length."""
+    scores = head_outputs(model, batch, device)  # [B, L]
     last = batch.attention_mask.sum(-1).to(device) - 1
     return scores[torch.arange(scores.shape[0], device=device), last].float()
 

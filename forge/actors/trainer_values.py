@@ -25,13 +25,9 @@ __all__ = ["critic_loss", "position_values"]
 
 def position_values(model: torch.nn.Module, batch: PaddedBatch, device: torch.device) -> torch.Tensor:
     """[B, L-1] the head's value at each position but the last (the state before each next token)."""
-    per_position: list[torch.Tensor] = []
-    hook = model.score.register_forward_hook(lambda _m, _i, out: per_position.append(out))
-    try:
-        model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
-    finally:
-        hook.remove()
-    return per_position[0][:, :-1, 0].float()
+    from forge.actors.trainer_pairs import head_outputs
+
+    return head_outputs(model, batch, device)[:, :-1].float()
 
 
 def _laid_out(flat: torch.Tensor, response_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
