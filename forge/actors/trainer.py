@@ -54,6 +54,7 @@ from forge.actors.trainer_batches import (
     batch_logprobs,
     counts,
     forward_token_counts,
+    laid_out,
     pair_logprobs,
     trained_tokens,
 )
@@ -101,13 +102,6 @@ def _check_batch(batch: Any, kind: type[Packed], endpoint_name: str, how: str) -
     if len(batch) == 0:
         raise ValueError(f"Trainer.{endpoint_name} needs at least one example, got none")
     batch.check()
-
-
-def _laid_out(flat: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """A flat per-response-token tensor laid out like ``response_mask`` [B, L-1] (zeros elsewhere)."""
-    laid_out = torch.zeros(response_mask.shape, dtype=flat.dtype)
-    laid_out[response_mask] = flat
-    return laid_out
 
 
 class Trainer(ForgeActor):
@@ -348,7 +342,7 @@ class Trainer(ForgeActor):
         cfg = self.config
         padded = right_pad(batch.prompt_ids, batch.prompt_lens, batch.response_ids, batch.response_lens, cfg.pad_id)
         trained = trained_tokens(batch, cfg.stop_token_ids, cfg.mask_truncated)
-        padded.loss_mask = _laid_out(trained, padded.response_mask)
+        padded.loss_mask = laid_out(trained, padded.response_mask)
         return padded
 
     def _loss(self, batch: EpisodeBatch, padded: PaddedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -367,7 +361,7 @@ class Trainer(ForgeActor):
             reference = logprobs.detach().clone()
             reference[mask] = batch.ref_logprobs.to(self.device, logprobs.dtype)
         if batch.token_advantages is not None:  # PPO's, one per token (forge.losses.ppo.gae)
-            advantages = _laid_out(batch.token_advantages, padded.response_mask).to(self.device, logprobs.dtype)
+            advantages = laid_out(batch.token_advantages, padded.response_mask).to(self.device, logprobs.dtype)
         else:
             advantages = batch.advantages.to(self.device, logprobs.dtype)
         return grpo_loss(

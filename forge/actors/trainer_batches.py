@@ -18,7 +18,14 @@ if TYPE_CHECKING:
     from forge.actors.trainer_config import TrainerConfig
     from forge.types import EpisodeBatch
 
-__all__ = ["batch_logprobs", "counts", "forward_token_counts", "pair_logprobs", "trained_tokens"]
+__all__ = ["batch_logprobs", "counts", "forward_token_counts", "laid_out", "pair_logprobs", "trained_tokens"]
+
+
+def laid_out(flat: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """A flat per-response-token tensor laid out like ``response_mask`` [B, L-1] (zeros elsewhere)."""
+    out = torch.zeros(response_mask.shape, dtype=flat.dtype)
+    out[response_mask] = flat
+    return out
 
 
 def trained_tokens(batch: EpisodeBatch, stop_token_ids: Collection[int], mask_truncated: bool) -> torch.Tensor:

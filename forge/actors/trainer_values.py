@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from forge.actors.trainer_batches import laid_out
 from forge.losses.ppo import value_loss
 from forge.models import PaddedBatch
 
@@ -30,12 +31,6 @@ def position_values(model: torch.nn.Module, batch: PaddedBatch, device: torch.de
     return head_outputs(model, batch, device)[:, :-1].float()
 
 
-def _laid_out(flat: torch.Tensor, response_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
-    out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    out[response_mask] = flat.float()
-    return out.to(device)
-
-
 def critic_loss(
     model: torch.nn.Module, batch: EpisodeBatch, padded: PaddedBatch, device: torch.device, cfg: TrainerConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -43,14 +38,14 @@ def critic_loss(
     if batch.returns is None or batch.values is None:
         raise ValueError(
             "a critic step needs each token's return and old value: the batch's returns and values "
-            "(apps.grpo.critic.PPOTargets sets them)"
+            "(forge.losses.ppo.gae makes them: dataclasses.replace(batch, returns=..., values=...))"
         )
     values = position_values(model, padded, device)
     response = padded.response_mask
     return value_loss(
         values,
-        _laid_out(batch.values, response, device),
-        _laid_out(batch.returns, response, device),
+        laid_out(batch.values, response).to(device, values.dtype),
+        laid_out(batch.returns, response).to(device, values.dtype),
         padded.loss_mask.to(device),
         clip=cfg.value_clip,
     )

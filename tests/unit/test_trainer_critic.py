@@ -113,3 +113,31 @@ async def test_critic_endpoints_refuse_a_language_model_head(model_dir: Path):
     finally:
         if trainer is not None:
             await ForgeActor.shutdown(trainer)
+
+
+async def test_per_token_advantages_replace_the_episodes_in_the_policy_step(model_dir: Path):
+    """``token_advantages`` set: the step trains on them, not on ``advantages``; all zero, no gradient."""
+    from dataclasses import replace
+
+    from forge.actors.trainer import Trainer, TrainerConfig
+    from forge.controller import ForgeActor
+    from forge.distributed import call_spmd
+
+    batch = _batch()
+    batch = replace(batch, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    trainer = None
+    try:
+        trainer = await Trainer.options(procs=1, name="ppopolicy").as_actor(
+            TrainerConfig(model_path=str(model_dir), num_threads=1, lr=0.0, beta=0.0)
+        )
+        plain = await asyncio.wait_for(call_spmd(trainer.train_step, batch), 120)
+        zero = replace(batch, token_advantages=torch.zeros(batch.response_ids.shape))
+        zeroed = await asyncio.wait_for(call_spmd(trainer.train_step, zero), 120)
+        assert plain["grad_norm"] > 1e-3 and zeroed["grad_norm"] == 0.0, (plain, zeroed)
+        per_token = torch.repeat_interleave(batch.advantages, batch.response_lens)
+        same = await asyncio.wait_for(call_spmd(trainer.train_step, replace(batch, token_advantages=per_token)), 120)
+        assert_close_to_scale(same["grad_norm"], plain["grad_norm"], 1e-4, what="grad_norm")
+        assert_close_to_scale(same["loss"], plain["loss"], 1e-4, scale=1.0, what="loss")
+    finally:
+        if trainer is not None:
+            await ForgeActor.shutdown(trainer)
