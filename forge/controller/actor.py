@@ -37,6 +37,7 @@ from forge.controller.handle import ServiceInterface
 from forge.controller.messages import await_with_timeout, translate_error
 from forge.controller.multiplex import model_store
 from forge.controller.options import ActorOptions
+from forge.controller.process_watch import ProcessIdentity, this_process
 from forge.controller.provisioner import place_replica, replica_gpus
 from forge.controller.service import Service
 
@@ -73,6 +74,11 @@ class ForgeActor(Actor):
         """Liveness probe of the service's health loop (concurrent: never queues behind a
         request that is waiting on I/O)."""
         return True
+
+    @endpoint(concurrent=True)
+    async def _forge_process(self) -> ProcessIdentity:
+        """Which process this rank runs in, for the service's process watch (``forge.controller.process_watch``)."""
+        return this_process()
 
     @endpoint
     async def drain_metrics(self) -> list[tuple[str, float, str]]:

@@ -75,10 +75,10 @@ class ActorOptions:
     """Longest a caller waits for admission (or for a replica to recover) before
     ``Overloaded`` (or ``NoHealthyReplica``)."""
     health_interval_s: float | None = 5.0
-    """How often an idle or stalled replica is probed. Process death is noticed by Monarch
-    within one supervision poll anyway (``forge.controller._env``); probes catch what Monarch
-    cannot see (a host whose worker died).
-    None: no probes."""
+    """How often the service looks at its replicas: whether their processes on this host still
+    run (``forge.controller.process_watch``: a death Monarch has not reported yet), and a probe
+    of each idle or stalled one (what Monarch cannot see, such as a host whose worker died).
+    None: neither."""
     health_timeout_s: float = 120.0
     """A replica that answers no probe and finishes no request for this long is failed.
     Keep it above the longest endpoint call: an actor runs one message at a time."""

@@ -34,6 +34,7 @@ from forge.controller.metrics import EndpointCounters, endpoint_sums
 from forge.controller.model_cache import ReplicaModels
 from forge.controller.multiplex import LOAD_ENDPOINT, Multiplexing
 from forge.controller.options import ActorOptions
+from forge.controller.process_watch import ProcessIdentity, first_gone, watchable
 from forge.controller.provisioner import place_replica
 
 logger = logging.getLogger("forge.replica")
@@ -87,6 +88,8 @@ class Replica:
         self.failed_at: float | None = None
         self.on_failure = on_failure
         self.host_indices: list[int] = []  # its hosts' indices in the service's HostPool, if any
+        self.processes: list[ProcessIdentity] = []
+        """Its live generation's processes that the controller's host can see (``gone_process``)."""
         self.last_progress = time.monotonic()  # last answer of any kind from the replica
         self._calls: set[asyncio.Task] = set()  # tasks awaiting this replica's answers
         self._in_flight = 0
@@ -155,6 +158,8 @@ class Replica:
                 self.mesh_name, self.spec.actor_cls, *self.spec.args, **self.spec.kwargs
             )
             await await_with_timeout(self.actor_mesh.setup.call(), opts.setup_timeout_s)
+            identities = await await_with_timeout(self.actor_mesh._forge_process.call(), opts.setup_timeout_s)
+            self.processes = watchable(list(identities.values()))
         except BaseException as exc:
             self.state = ReplicaState.FAILED
             self.failure = describe(exc)
@@ -206,6 +211,7 @@ class Replica:
         decides whether to try again.
         """
         await self.stop(ReplicaFailed(f"replica {self.replica_id} is restarting"))
+        self.processes = []
         self.generation += 1
         self.restarts += 1
         self.version = None
@@ -239,6 +245,7 @@ class Replica:
         await asyncio.gather(*(b.close(stale) for b in self.batchers.values()), return_exceptions=True)
         self.generation = generation
         self.proc_mesh, self.actor_mesh = None, actor_mesh
+        self.processes = []  # the owner's processes: its own service watches them
         self.failure = None
         self._make_batchers()
         self.started_at = self.last_progress = time.monotonic()
@@ -352,6 +359,12 @@ class Replica:
             raise self._failed_call(exc, where) from exc
         finally:
             self._calls.discard(task)  # type: ignore[arg-type]
+
+    def gone_process(self) -> ProcessIdentity | None:
+        """One of its processes that no longer runs, seen by this host's OS (None: all run, or none
+        is visible from here). A dead process is seen here at once, where Monarch's report of it
+        may take a supervision poll or more (``forge.controller.process_watch``)."""
+        return first_gone(self.processes)
 
     async def probe(self, timeout: float) -> bool:
         """Whether the replica answers a health probe within ``timeout`` seconds."""

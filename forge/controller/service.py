@@ -266,14 +266,23 @@ class Service:
             return
 
     async def _health_loop(self) -> None:
-        """Fail replicas that neither answer probes nor finish requests for health_timeout_s.
+        """Fail replicas whose process is gone, and those that neither answer probes nor finish
+        requests for health_timeout_s.
 
-        Monarch reports a dead *process* by itself; this catches the silent cases, such as a
-        host whose worker died and took the replica's process out of Monarch's sight.
+        Monarch reports a dead *process* by itself, but on a loaded machine its report can lag by
+        tens of seconds; a process on this host is seen gone at the next interval instead
+        (``forge.controller.process_watch``). The probes catch the silent cases, such as a host
+        whose worker died and took the replica's process out of Monarch's sight.
         """
         interval, limit = self.options.health_interval_s, self.options.health_timeout_s
         while not self._stopped:
             await asyncio.sleep(interval)
+            for replica in self.replicas:
+                gone = replica.gone_process() if replica.state is ReplicaState.HEALTHY else None
+                if gone is not None:
+                    replica.mark_failed(
+                        f"its process {gone.pid} on {gone.hostname} is gone (seen by the process watch)"
+                    )
             now = time.monotonic()
             due = [r for r in self.replicas if r.state is ReplicaState.HEALTHY and now - r.last_progress >= interval]
             answers = await asyncio.gather(*(r.probe(limit) for r in due))
