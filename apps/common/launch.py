@@ -72,6 +72,8 @@ class Roles:
     """The learned reward models' service (GRPO's ``reward.models``); None without them."""
     trainer: ActorMesh | None = None
     """The trainer: one SPMD actor mesh (``forge.distributed.call_spmd``)."""
+    critic: ActorMesh | None = None
+    """PPO's value function (GRPO's ``algorithm: ppo``): a second trainer mesh; None otherwise."""
     buffer: ActorMesh | None = None
     dataset: ActorMesh | None = None
     env: ServiceInterface | None = None
@@ -200,8 +202,7 @@ async def start_all(roles: Roles, starts: dict[str, Any]) -> None:
 async def stop_roles(roles: Roles, timeout_s: float = 60.0) -> None:
     """Stop every started role (in parallel); never raises, never waits past ``timeout_s``."""
     stops = [svc.shutdown() for svc in roles.services().values()]
-    if roles.trainer is not None:
-        stops.append(ForgeActor.shutdown(roles.trainer))
+    stops += [ForgeActor.shutdown(mesh) for mesh in (roles.trainer, roles.critic) if mesh is not None]
     stops += [actor.stop() for actor in roles.local]
 
     async def stop(awaitable: Any) -> None:
@@ -248,7 +249,9 @@ async def open_run(cfg: RunSections, weight_sync: WeightSyncSection | None = Non
     return resources
 
 
-GPU_ROLES = ("policy", "reference", "reward", "reward_model", "trainer")
+GPU_ROLES = ("policy", "reference", "reward", "reward_model", "trainer", "critic")
+MESH_ROLES = ("trainer", "critic")
+"""The roles that are one SPMD actor mesh, not a service of replicas."""
 
 
 def assign_gpus(
@@ -266,14 +269,16 @@ def assign_gpus(
     need: dict[str, int] = {}
     out: dict[str, list[str] | None] = dict.fromkeys(roles)
     for role in roles:
-        section = getattr(cfg, role)
-        n = section.procs * section.gpus_per_proc * (section.num_replicas if role != "trainer" else 1)
+        section = getattr(cfg, role, None)
+        if section is None:  # a role this app's config has no section for
+            continue
+        n = section.procs * section.gpus_per_proc * (section.num_replicas if role not in MESH_ROLES else 1)
         if section.gpus is not None:
             if len(section.gpus) != n:
                 raise ValueError(
                     f"{role}.gpus lists {len(section.gpus)} device(s) {list(section.gpus)}, but the role needs "
                     f"{role}.procs x {role}.gpus_per_proc"
-                    + (f" x {role}.num_replicas" if role != "trainer" else "")
+                    + (f" x {role}.num_replicas" if role not in MESH_ROLES else "")
                     + f" = {n}"
                 )
             out[role] = [str(g) for g in section.gpus]

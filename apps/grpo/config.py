@@ -18,7 +18,9 @@ from typing import Any
 
 from apps.common.config import EvalSamplingSection, Placement, RecordsSection, TrainingSections
 from forge.actors.dataset import DATASET_SOURCES
-from forge.actors.trainer import TrainerSettings
+from forge.actors.trainer import OptimizerSettings, TrainerSettings
+
+ALGORITHMS = ("grpo", "ppo")
 
 
 @dataclass(kw_only=True)
@@ -82,6 +84,32 @@ class TrainerSection(Placement, TrainerSettings):
     """Also write a Hugging Face folder every N steps, ``<logging.output_dir>/exports/step_<N>``,
     each listed with its step and wall time in ``exports/index.jsonl`` (to evaluate or compare
     checkpoints afterwards: ``apps.eval``, ``benchmarks/time_to_accuracy.py``); 0 never."""
+
+
+@dataclass(kw_only=True)
+class CriticSection(Placement, OptimizerSettings):
+    """PPO's value function (``algorithm: ppo``): a second trainer, the policy's checkpoint under a
+    new scalar head (``head: scalar``), with its own optimizer and placement. Nothing starts
+    unless ``algorithm`` is ``ppo``. It is checkpointed beside the trainer, at the same steps."""
+
+    model: str | None = None
+    """The critic's starting checkpoint; None: the policy's (``model.path``)."""
+    value_clip: float | None = 0.2
+    """PPO's value clipping: a value moves at most this far from its prediction when the step's
+    targets were made (``forge.losses.ppo.value_loss``); null: no clipping."""
+
+
+@dataclass(kw_only=True)
+class PPOSection:
+    """PPO's advantages (``algorithm: ppo``): GAE over each response's tokens with the critic's
+    values, the reward on the last trained token (``forge.losses.ppo.gae``)."""
+
+    gamma: float = 1.0
+    """Discount per token."""
+    lam: float = 0.95
+    """GAE's lambda: 1 is the Monte-Carlo return minus the value, 0 one-step TD."""
+    whiten: bool = True
+    """Standardise the step's advantages over its trained tokens."""
 
 
 @dataclass(kw_only=True)
@@ -227,6 +255,13 @@ class GRPOConfig(TrainingSections):
     """The environment of multi-turn rollouts; none (single-turn) unless ``env.cls`` is set."""
     eval: EvalSection = field(default_factory=EvalSection)
     """Held-out evaluation beside training; off unless ``eval.every`` is set."""
+    algorithm: str = "grpo"
+    """``grpo``: each episode's advantage is its reward against its group's (``forge.losses.grpo``);
+    ``ppo``: per-token advantages by GAE with a learned value function, the ``critic`` section
+    (``ppo`` sets GAE's knobs). The policy's loss (clipping, KL, corrections) is the same."""
+    critic: CriticSection = field(default_factory=CriticSection)
+    """PPO's critic; nothing starts unless ``algorithm: ppo``."""
+    ppo: PPOSection = field(default_factory=PPOSection)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -262,6 +297,7 @@ class GRPOConfig(TrainingSections):
         self._check_env()
         self._check_lora()
         self._check_reward()
+        self._check_algorithm()
         self._check_placement()
         if self.faults.max_restarts < 0:
             raise ValueError(f"faults.max_restarts must be >= 0 (0: no restarts), got {self.faults.max_restarts}")
@@ -298,6 +334,22 @@ class GRPOConfig(TrainingSections):
                 "eval.reward is needed: the reward functions judge held-out answers, and reward.fns has none "
                 "with a weight (set e.g. eval.reward: {exact_match: 1.0})"
             )
+
+    def _check_algorithm(self) -> None:
+        """``algorithm`` is a known one; PPO's knobs are in range and its critic is one it can train."""
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.algorithm != "ppo":
+            return
+        for name in ("gamma", "lam"):
+            value = getattr(self.ppo, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"ppo.{name} must be a number in [0, 1], got {value!r}")
+        clip = self.critic.value_clip
+        if clip is not None and not clip > 0:
+            raise ValueError(f"critic.value_clip must be > 0 (or null: no clipping), got {clip!r}")
+        if self.critic.pack_sequences:
+            raise ValueError("critic.pack_sequences must be false: a scalar head reads right-padded rows")
 
     def _check_lora(self) -> None:
         """``trainer.lora`` against the policy that serves it, and the reference it implies."""
@@ -375,7 +427,7 @@ class GRPOConfig(TrainingSections):
 
     def _check_placement(self) -> None:
         """Hosts and GPUs of each role: sizes, and vLLM's tensor parallelism inside one process."""
-        for role in ("policy", "reference", "reward", "reward_model", "trainer"):
+        for role in ("policy", "reference", "reward", "reward_model", "trainer", "critic"):
             section = getattr(self, role)
             for name in ("procs", "num_replicas", "hosts", "gpus_per_proc"):
                 value = getattr(section, name)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 def role_specs(cfg: GRPOConfig, model_path: str, weights_dir: str | None = None) -> list[RoleSpec]:
     """The GRPO run's remote roles: the policy, reference, reward (and env) services and the
-    trainer. ``weights_dir``: the run's weight folder, the only one its policy loads files from."""
+    trainer (and PPO's critic). ``weights_dir``: the run's weight folder, the only one its policy loads files from."""
     from forge.actors import ReferenceConfig, ReferenceModel, RewardActor, Trainer
     from forge.envs import SessionAffinity
 
@@ -67,6 +67,10 @@ def role_specs(cfg: GRPOConfig, model_path: str, weights_dir: str | None = None)
         RoleSpec("reward", RewardActor, dict(cfg.reward.fns), QUIET_ENV, options={"router": "least_loaded"}),
         RoleSpec("trainer", Trainer, trainer_config(cfg, model_path), QUIET_ENV, service=False),
     ]
+    if cfg.algorithm == "ppo":
+        from apps.grpo.ppo import critic_config
+
+        specs.append(RoleSpec("critic", Trainer, critic_config(cfg, model_path), QUIET_ENV, service=False))
     if cfg.reward.models:
         from forge.actors.reward_model import RewardModel, RewardModelConfig
 

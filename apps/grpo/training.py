@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from apps.common.launch import Roles
 from apps.common.roles import call_role
+from apps.grpo.ppo import critic_step, load_critic, save_critic, with_ppo_targets
 from apps.grpo.rollouts import Rollouts
 from forge.distributed import call_spmd  # the trainer is one SPMD mesh: every rank gets each call
 
@@ -53,7 +54,15 @@ async def train(
             groups = await rollouts.take_batch(cfg.prompts_per_step, version)
             t1 = time.perf_counter()
             batch = EpisodeBatch.concat(groups)
-            stats = await trainer_call(cfg, roles.trainer.train_step, batch)
+            critic_stats: dict[str, float] = {}
+            if roles.critic is None:
+                stats = await trainer_call(cfg, roles.trainer.train_step, batch)
+            else:  # PPO: the critic's values make the advantages; then policy and critic train at once
+                batch, critic_stats = await with_ppo_targets(cfg, roles, batch)
+                stats, value_stats = await asyncio.gather(
+                    trainer_call(cfg, roles.trainer.train_step, batch), critic_step(cfg, roles, batch)
+                )
+                critic_stats.update(value_stats)
             t2 = time.perf_counter()
             version = int(stats["policy_version"])
             fetched = await weights.fetch()
@@ -92,6 +101,7 @@ async def train(
                     "wait_s": t1 - t0,
                     "train_s": t2 - t1,
                     "sync_wait_s": t3 - t2,
+                    **critic_stats,
                     **rollouts.end_step(groups),
                     **rollouts.group_counts(),
                     **(evals.collect(t3 - t0) if evals is not None else {}),
@@ -150,12 +160,14 @@ def checkpoint_due(cfg: GRPOConfig, step: int) -> bool:
 
 
 async def checkpoint_run(cfg: GRPOConfig, roles: Roles, step: int) -> None:
-    """The trainer's full state, plus the controller's: the dataset's position. The time the step
-    loop waits for it is ``checkpoint_s`` in the next step's row."""
+    """The trainer's full state (and PPO's critic's), plus the controller's: the dataset's position.
+    The time the step loop waits for it is ``checkpoint_s`` in the next step's row."""
     from forge.observability import record_metric
 
     t0 = time.perf_counter()
     position = await call_role("dataset", roles.dataset.position.call_one())
+    if roles.critic is not None:  # complete first: a complete trainer checkpoint then has its critic's
+        await save_critic(cfg, roles, step)
     await trainer_call(cfg, roles.trainer.save_checkpoint, step, {"dataset_position": position})
     record_metric("checkpoint_s", time.perf_counter() - t0, "sum")
 
@@ -163,7 +175,8 @@ async def checkpoint_run(cfg: GRPOConfig, roles: Roles, step: int) -> None:
 async def resume(cfg: GRPOConfig, roles: Roles, weights: PolicyWeights, path: Path) -> tuple[int, int]:
     """Load checkpoint ``path`` into the roles before any rollout; returns (step, policy version).
 
-    Restored: the trainer's weights, optimizer state, policy version and RNG states; the
+    Restored: the trainer's weights, optimizer state, policy version and RNG states (and PPO's
+    critic's, from its checkpoint of the same step); the
     dataset's position; the policy replicas' weights (a normal weight sync, at the checkpoint's
     version). Not restored: the groups that were buffered or being generated at the checkpoint
     (their prompts are skipped, not replayed) and vLLM's sampling RNG (reseeded from ``seed``).
@@ -172,6 +185,8 @@ async def resume(cfg: GRPOConfig, roles: Roles, weights: PolicyWeights, path: Pa
     alike anyway).
     """
     step, version, extra = await call_role("trainer", call_spmd(roles.trainer.load_checkpoint, str(path)))
+    if roles.critic is not None:
+        await load_critic(cfg, roles, path)
     await call_role("dataset", roles.dataset.seek.call_one(int(extra.get("dataset_position", 0))))
     await weights.sync()
     return step, version

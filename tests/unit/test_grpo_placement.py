@@ -27,6 +27,7 @@ def test_the_one_gpu_config_puts_every_gpu_role_on_gpu_0():
         "reward": None,
         "reward_model": None,
         "trainer": ["0"],
+        "critic": None,
     }
     assert cfg.policy.engine_kwargs["gpu_memory_utilization"] < 0.5  # leaves room for the others
 
@@ -39,6 +40,7 @@ def test_the_three_gpu_config_gives_each_role_its_own_gpu():
         "reward": None,
         "reward_model": None,
         "trainer": ["2"],
+        "critic": None,
     }
 
 
@@ -58,6 +60,7 @@ def test_roles_without_listed_gpus_take_the_free_ones_after_a_tensor_parallel_po
         "reward": None,
         "reward_model": None,
         "trainer": ["3", "4"],
+        "critic": None,
     }
 
 
@@ -115,4 +118,5 @@ def test_the_readme_slurm_example_splits_each_nodes_gpus_between_the_roles():
         "reward": None,
         "reward_model": None,
         "trainer": ["3", "4", "5", "6"],
+        "critic": None,
     }
