@@ -88,6 +88,8 @@ class TrainingRun:
         tasks = list(watches or [])
         try:
             await watch.watch_actor("trainer", roles.trainer)
+            if roles.critic is not None:
+                await watch.watch_actor("critic", roles.critic)
             resume_from = self.resume_from
             step, version = (0, 0) if resume_from is None else await resume(cfg, roles, weights, resume_from)
             if self.plan is not None:  # the first evaluation: the weights training starts from

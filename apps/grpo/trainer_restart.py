@@ -1,5 +1,5 @@
-"""A GRPO run outlives its trainer: a dead trainer mesh is replaced, and training rewinds to the
-newest checkpoint.
+"""A GRPO run outlives its trainer (and PPO's critic): a dead trainer or critic mesh is replaced,
+and training rewinds to the newest checkpoint, both meshes to its step.
 
 The trainer's state (weights, optimizer moments, RNG) lives only in its processes; a checkpoint
 (``trainer.checkpoint_every``) is the only copy outside them. So when the trainer's process, or
@@ -35,6 +35,7 @@ import contextlib
 import logging
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -66,14 +67,23 @@ LOST_HOST_STOP_TIMEOUT_S = 5.0
 """The same when a host of the pool is lost: its ranks cannot answer, the live ones stop at once."""
 
 
+TRAINING_ROLES = ("trainer", "critic")
+"""The meshes whose state only checkpoints hold: the trainer and PPO's critic."""
+
+
 def trainer_died(failure: BaseException) -> bool:
-    """Whether ``failure`` is the trainer's process dying, or hanging (a call unanswered past
-    ``faults.health_timeout_s``): restartable, unlike its own code failing."""
+    """Whether ``failure`` is the trainer's (or PPO's critic's) process dying, or hanging (a call
+    unanswered past ``faults.health_timeout_s``): restartable, unlike its own code failing."""
     return (
         isinstance(failure, RoleFailed)
-        and failure.role == "trainer"
+        and failure.role in TRAINING_ROLES
         and isinstance(failure.error, (ReplicaFailed, RequestTimeout))
     )
+
+
+def _named(failure: RoleFailed) -> str:
+    """A death's detail, prefixed with its role when it is not the trainer's."""
+    return failure.detail if failure.role == "trainer" else f"{failure.role}: {failure.detail}"
 
 
 class TrainerRestarts:
@@ -101,24 +111,26 @@ class TrainerRestarts:
             raise ValueError("TrainerRestarts needs the run's weight sync: set resources.weights first")
         return self.resources.weights
 
-    def give_up(self) -> RoleFailed:
-        """The error that stops the run: every death of the trainer, and how to continue."""
+    def give_up(self, role: str = "trainer") -> RoleFailed:
+        """The error that stops the run: every death of the trainer (or critic), and how to continue."""
         deaths = "; ".join(f"death {i + 1}: {d}" for i, d in enumerate(self.deaths))
-        return RoleFailed("trainer", f"{deaths}; the run stopped: {resume_hint(self.cfg)}")
+        return RoleFailed(role, f"{deaths}; the run stopped: {resume_hint(self.cfg)}")
 
     async def restart(self, failure: RoleFailed) -> tuple[int, int]:
         """Replace the trainer after ``failure`` (``trainer_died``); returns (step, policy version)
         of the checkpoint training goes on from. Raises the run's final ``RoleFailed`` when no
         restart is left, there is no checkpoint, or the new trainer dies while it restores."""
         lost = self._lost_hosts()
-        self.deaths.append(f"{failure.detail} (hosts lost: {', '.join(lost)})" if lost else failure.detail)
+        detail = _named(failure)
+        self.deaths.append(f"{detail} (hosts lost: {', '.join(lost)})" if lost else detail)
         while True:
             path = latest_checkpoint(self.cfg.checkpoint_dir)
             if len(self.deaths) > self.limit or path is None:
-                self.watch.retire("trainer")  # this error, naming every death, is the run's
-                raise self.give_up()
+                self.watch.retire(failure.role)  # this error, naming every death, is the run's
+                raise self.give_up(failure.role)
             logger.warning(
-                "the trainer died or hung (%s); replacing it from %s (restart %d of %d)",
+                "the %s died or hung (%s); replacing it from %s (restart %d of %d)",
+                failure.role,
                 self.deaths[-1],
                 path.name,
                 len(self.deaths),
@@ -127,28 +139,54 @@ class TrainerRestarts:
             t0 = time.perf_counter()
             self.restarts += 1
             try:
-                step, version = await self._replace(str(path))
+                step, version = await self._replace(str(path), failure.role)
             except RoleFailed as again:
                 if not trainer_died(again):
                     raise
                 failure = again
-                self.deaths.append(f"{again.detail} (while restoring {path.name})")
+                self.deaths.append(f"{_named(again)} (while restoring {path.name})")
                 continue
             logger.warning(
-                "the trainer is back at step %d (policy version %d) after %.1fs; steps after it are trained again",
+                "the %s is back at step %d (policy version %d) after %.1fs; steps after it are trained again",
+                failure.role,
                 step,
                 version,
                 time.perf_counter() - t0,
             )
             return step, version
 
-    async def _replace(self, checkpoint: str) -> tuple[int, int]:
-        """Stop the old mesh, start a new one, load ``checkpoint``, push its weights to the policy."""
+    async def _replace(self, checkpoint: str, dead: str = "trainer") -> tuple[int, int]:
+        """Stop the ``dead`` mesh (the trainer or the critic), start a new one, rewind both to
+        ``checkpoint`` (the critic to its checkpoint of that step), push its weights to the policy."""
         roles, cfg, weights = self.roles, self.cfg, self.weights
-        old = roles.trainer
-        self.watch.retire("trainer")
+        await self._stop_dead(dead)
+        if dead == "critic":
+            roles.critic = await self._start_critic()
+            await self.watch.watch_actor("critic", roles.critic)
+        else:
+            trainer = await self._start()
+            roles.trainer = trainer
+            weights.use_trainer(trainer)
+            await self.watch.watch_actor("trainer", trainer)
+        load = call_spmd(roles.trainer.load_checkpoint, checkpoint, timeout_s=cfg.faults.health_timeout_s)
+        step, version, _ = await call_role("trainer", load)
+        if roles.critic is not None:  # both meshes at the checkpoint's step, as on --resume
+            from apps.grpo.ppo import load_critic
+
+            await load_critic(cfg, roles, Path(checkpoint))
+        before = await self._policy_call(weights.served_versions())
+        await weights.sync()
+        await self._report_served(max(before or [0]), version)
+        return step, version
+
+    async def _stop_dead(self, role: str) -> None:
+        """Kill ``role``'s processes on this host (a hung, stopped rank never stops by itself) and
+        stop its mesh, without waiting long for ranks that cannot answer."""
+        cfg = self.cfg
+        old = getattr(self.roles, role)
+        self.watch.retire(role)
         run = cfg.trainer.env.get(RUN_ENV)  # a multi-adapter job's run: its own trainer's processes only
-        for process in role_processes(os.getpid(), "trainer", run):  # a hung (stopped) rank never stops by itself
+        for process in role_processes(os.getpid(), role, run):
             with contextlib.suppress(psutil.Error):
                 process.kill()
         lost = self._lost_hosts()
@@ -157,17 +195,16 @@ class TrainerRestarts:
                 # A lost host's ranks never answer the stop: only the live ones' is waited for.
                 await ForgeActor.shutdown(old, timeout_s=LOST_HOST_STOP_TIMEOUT_S if lost else STOP_TIMEOUT_S)
             except Exception as exc:  # a dead rank's mesh may not stop cleanly: its processes are reaped at exit
-                logger.info("the dead trainer's mesh did not stop cleanly: %s", exc)
-        trainer = await self._start()
-        roles.trainer = trainer
-        weights.use_trainer(trainer)
-        await self.watch.watch_actor("trainer", trainer)
-        load = call_spmd(trainer.load_checkpoint, checkpoint, timeout_s=cfg.faults.health_timeout_s)
-        step, version, _ = await call_role("trainer", load)
-        before = await self._policy_call(weights.served_versions())
-        await weights.sync()
-        await self._report_served(max(before or [0]), version)
-        return step, version
+                logger.info("the dead %s's mesh did not stop cleanly: %s", role, exc)
+
+    async def _start_critic(self) -> ForgeActor:
+        """A new critic mesh, as the run started it."""
+        (spec,) = [s for s in role_specs(self.cfg, self.model_path, self.resources.weights_dir) if s.name == "critic"]
+        try:
+            return await start_role(spec, self.cfg, assign_gpus(self.cfg), self.resources.host_pool)
+        except Exception as exc:  # as for the trainer's: a death while restoring
+            died = ReplicaFailed(f"the new critic mesh failed to start: {describe(exc, limit=600, typed=True)}")
+            raise RoleFailed("critic", died) from exc
 
     @staticmethod
     async def _policy_call(call: Any) -> Any:

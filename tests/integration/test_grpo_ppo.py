@@ -42,3 +42,28 @@ def test_ppo_learns_with_its_critic_and_resumes_the_critic_from_its_checkpoint(t
     assert [r["step"] for r in resumed] == [31, 32]
     # A critic resumed from step 30 predicts about as well as at step 30; a fresh one as at step 1.
     assert _mean(resumed, "critic/value_loss") < _mean(early, "critic/value_loss") / 3, resumed
+
+
+def test_a_killed_critic_is_replaced_and_both_meshes_rewind_to_the_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL of the critic's process after step 3, checkpoints every 2 steps: a new critic mesh
+    loads its checkpoint, the trainer rewinds to the same step (the policy versions say so), and
+    the run completes every step once, exit 0."""
+    from slow_reward import OVERRIDES as SLOW_REWARD
+    from test_grpo_faults import _wait_for_checkpoint, _wait_for_step
+
+    from apps.grpo.faults import role_processes
+
+    steps = 8
+    run = ("algorithm=ppo", *SLOW_REWARD, "trainer.checkpoint_every=2", f"trainer.keep_checkpoints={steps}")
+    proc = start_app(tmp_path, *run, steps=steps)
+    _wait_for_step(proc, tmp_path, 3)
+    _wait_for_checkpoint(proc, tmp_path)
+    (critic,) = role_processes(proc.pid, "critic")
+    critic.kill()
+    code, out, err = finish_app(proc, 240)
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))  # the trainer rewound too
+    assert rows[-1]["restarts/trainer"] == 1, rows[-1]
+    assert "the critic died or hung" in err and "the critic is back at step" in err, err[-3000:]

@@ -37,9 +37,11 @@ class _ScriptedRestarts(TrainerRestarts):
         super().__init__(cfg, "/m", Roles(), RunResources(), _Watch())
         self.outcomes = outcomes
         self.replaced: list[str] = []
+        self.dead: list[str] = []  # the role each replacement was for
 
-    async def _replace(self, checkpoint: str) -> tuple[int, int]:
+    async def _replace(self, checkpoint: str, dead: str = "trainer") -> tuple[int, int]:
         self.replaced.append(Path(checkpoint).name)
+        self.dead.append(dead)
         outcome = self.outcomes.pop(0)
         if outcome is not None:
             raise outcome
@@ -134,3 +136,21 @@ def test_a_checkpoint_is_due_every_n_steps_and_at_the_last_step() -> None:
     assert [s for s in range(1, 9) if checkpoint_due(cfg, s)] == [3, 6, 8]
     cfg = load_config(GRPOConfig, None, ["model.path=/m", "steps=8", "trainer.checkpoint_every=0"])
     assert not any(checkpoint_due(cfg, s) for s in range(1, 9))
+
+
+async def test_a_dead_critic_is_replaced_like_the_trainer_and_shares_its_restarts(tmp_path: Path) -> None:
+    """PPO's critic dying (or hanging) is a restartable death of its own role: its mesh is the one
+    replaced, from the same newest checkpoint, and its deaths count against the same limit; the
+    run's final error names the critic."""
+    from apps.grpo.trainer_restart import trainer_died
+
+    critic_died = RoleFailed("critic", ReplicaFailed("its process died"))
+    assert trainer_died(critic_died) and not trainer_died(RoleFailed("critic", ValueError("a bug")))
+    assert not trainer_died(RoleFailed("policy", ReplicaFailed("its process died")))
+    restarts = _ScriptedRestarts(_cfg(tmp_path, "algorithm=ppo"), [None])
+    assert await restarts.restart(critic_died) == (4, 4)
+    assert restarts.dead == ["critic"] and restarts.replaced == ["step_00000004"]
+    assert restarts.deaths == ["critic: ReplicaFailed: its process died"], restarts.deaths
+    with pytest.raises(RoleFailed) as stopped:  # the default allows one restart
+        await restarts.restart(critic_died)
+    assert stopped.value.role == "critic" and "death 2: critic: " in stopped.value.detail, stopped.value.detail
