@@ -259,8 +259,8 @@ class GRPOConfig(TrainingSections):
     """``grpo``: each episode's advantage is its reward against its group's (``forge.losses.grpo``);
     ``ppo``: per-token advantages by GAE with a learned value function, the ``critic`` section
     (``ppo`` sets GAE's knobs). The policy's loss (clipping, KL, corrections) is the same."""
-    critic: CriticSection = field(default_factory=CriticSection)
-    """PPO's critic; nothing starts unless ``algorithm: ppo``."""
+    critic: CriticSection | None = None
+    """PPO's critic, which ``algorithm: ppo`` needs (``critic: {}`` takes every default); unused by GRPO."""
     ppo: PPOSection = field(default_factory=PPOSection)
 
     def __post_init__(self) -> None:
@@ -341,6 +341,11 @@ class GRPOConfig(TrainingSections):
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         if self.algorithm != "ppo":
             return
+        if self.critic is None:
+            raise ValueError(
+                "algorithm: ppo needs a critic section, the value function's optimizer and placement "
+                "(e.g. critic: {lr: 3.0e-3, procs: 1}; critic: {} takes the defaults)"
+            )
         for name in ("gamma", "lam"):
             value = getattr(self.ppo, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
@@ -429,6 +434,8 @@ class GRPOConfig(TrainingSections):
         """Hosts and GPUs of each role: sizes, and vLLM's tensor parallelism inside one process."""
         for role in ("policy", "reference", "reward", "reward_model", "trainer", "critic"):
             section = getattr(self, role)
+            if section is None:  # no critic: GRPO
+                continue
             for name in ("procs", "num_replicas", "hosts", "gpus_per_proc"):
                 value = getattr(section, name)
                 if value < 1:

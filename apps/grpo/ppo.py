@@ -49,8 +49,11 @@ def critic_config(cfg: GRPOConfig, model_path: str) -> TrainerConfig:
     from forge.actors.trainer import OptimizerSettings, TrainerConfig
 
     c = cfg.critic
+    assert c is not None, "algorithm: ppo's config check requires a critic section"
+    # One more than the trainer's: every trainer checkpoint kept has its critic's, which is written first.
+    keep = max(c.keep_checkpoints, cfg.trainer.keep_checkpoints + 1)
     return TrainerConfig(
-        **settings(c, OptimizerSettings),
+        **{**settings(c, OptimizerSettings), "keep_checkpoints": keep},
         model_path=c.model or model_path,
         head="scalar",
         value_clip=c.value_clip,

@@ -67,3 +67,15 @@ def test_a_killed_critic_is_replaced_and_both_meshes_rewind_to_the_checkpoint(tm
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))  # the trainer rewound too
     assert rows[-1]["restarts/trainer"] == 1, rows[-1]
     assert "the critic died or hung" in err and "the critic is back at step" in err, err[-3000:]
+
+
+def test_ppo_trains_multi_turn_trajectories(tmp_path: Path) -> None:
+    """The multi-turn game under PPO: each trajectory's sampled turns are GAE's steps (the
+    environment's tokens between them are not), and the run trains its critic to the end."""
+    critic = 'critic={lr: 3.0e-3, num_threads: 1, env: {OMP_NUM_THREADS: "1"}}'
+    proc = start_app(tmp_path, "algorithm=ppo", critic, steps=4, config="configs/multiturn_tiny.yaml")
+    code, out, err = finish_app(proc, 150)
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(0 < r["critic/value_loss"] < 10 and r["ppo/advantage_std"] > 0 for r in rows), rows[-1]

@@ -100,6 +100,13 @@ def test_bad_ppo_settings_are_errors_naming_them(override, message):
         config(override)
 
 
+def test_ppo_without_a_critic_section_is_an_error_at_load_and_critic_braces_take_the_defaults():
+    with pytest.raises(ValueError, match=r"algorithm: ppo needs a critic section"):
+        load_config(GRPOConfig, None, ["model.path=/m", "algorithm=ppo"])
+    assert load_config(GRPOConfig, None, ["model.path=/m", "algorithm=ppo", "critic={}"]).critic.lr == 1e-3
+    assert load_config(GRPOConfig, None, ["model.path=/m"]).critic is None  # GRPO needs none
+
+
 def test_a_ppo_run_starts_a_scalar_head_critic_that_trains_the_trainers_tokens(tmp_path):
     from apps.grpo.roles import role_specs
 
@@ -108,6 +115,7 @@ def test_a_ppo_run_starts_a_scalar_head_critic_that_trains_the_trainers_tokens(t
     critic, trainer = specs["critic"].arg, specs["trainer"].arg
     assert not specs["critic"].service and critic.head == "scalar" and trainer.head == "lm"
     assert critic.model_path == "/models/policy" and critic.value_clip == 0.2
+    assert critic.keep_checkpoints == trainer.keep_checkpoints + 1  # the trainer's kept ones all have the critic's
     assert critic.stop_token_ids == trainer.stop_token_ids and critic.mask_truncated is True
     assert Path(critic.checkpoint_dir) == tmp_path / "checkpoints" / "critic"
     assert (
