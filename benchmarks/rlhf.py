@@ -1,4 +1,4 @@
-"""Learned rewards and preferences from one SFT checkpoint: a reward model, GRPO on it, DPO.
+"""Learned rewards and preferences from one SFT checkpoint: a reward model, GRPO on it, PPO, DPO.
 
     .venv/bin/python benchmarks/rlhf.py --out rlhf.json
 
@@ -17,13 +17,19 @@ then, one after the other, each in a process of its own on the same cores:
    run with the checker as the reward is ``checker_heldout_gain``, for reference;
 3. DPO from it (``configs/dpo_addition.yaml``, ``--dpo-steps``) on the same pairs:
    ``dpo_heldout_gain`` the same way (goal >= +0.10 within 5 min);
-4. ``rm_prebatched_vs_unbatched_throughput``: the reward model as a one-replica ``RewardModel``
+4. PPO from it (``configs/grpo_addition.yaml`` with ``algorithm=ppo`` and a critic from the same
+   checkpoint, ``--critic-lr``), the checker as the reward, the same steps: ``ppo_heldout_gain``
+   (goal >= +0.15), and beside the checker-reward GRPO run of 2. (``--parts checker``) each one's
+   wall seconds to a held-out accuracy of ``--target`` (0.80) and their ratio
+   (``ppo_vs_grpo_time_to_target``, PPO's over GRPO's: above 1, PPO is slower), with the critic's
+   explained variance over the last 10 steps;
+5. ``rm_prebatched_vs_unbatched_throughput``: the reward model as a one-replica ``RewardModel``
    service, scoring ``--requests`` held-out (prompt, response) requests sent at once (prebatched)
    against the same requests one at a time (each its own batch), requests per second, in this
    process (goal >= 5).
 
 Every row records its wall seconds from process launch; the JSON (``--out``) holds each run's
-evaluation curve. PPO with a critic is not built yet: ``ppo_heldout_gain`` is null, with why.
+evaluation curve.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ GOALS = {
     "rm_pairwise_accuracy": 0.9,
     "rlhf_heldout_gain": 0.15,
     "dpo_heldout_gain": 0.10,
+    "ppo_heldout_gain": 0.15,
     "rm_prebatched_vs_unbatched_throughput": 5.0,
 }
 
@@ -73,6 +80,11 @@ def run_app(app: str, config: str, out: Path, *overrides: str) -> dict[str, Any]
 def eval_curve(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float, float]]:
     """``(eval/step, value, wall_s)`` of every evaluation in a run's rows."""
     return [(r["eval/step"], r[key], r["wall_s"]) for r in rows if key in r and "eval/step" in r]
+
+
+def time_to(rows: list[dict[str, Any]], target: float, key: str = "eval/accuracy") -> float | None:
+    """Wall seconds (from the run's launch) of the first evaluation at ``target`` or above; None if none."""
+    return next((wall for _, value, wall in eval_curve(rows, key) if value >= target), None)
 
 
 def gain(rows: list[dict[str, Any]], key: str = "eval/accuracy") -> tuple[float, float, float]:
@@ -127,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpo-steps", type=int, default=60)
     parser.add_argument("--dpo-steps", type=int, default=150)
     parser.add_argument("--requests", type=int, default=1024)
-    parser.add_argument("--parts", nargs="+", default=["rm", "rlhf", "checker", "dpo", "throughput"])
+    parser.add_argument("--critic-lr", type=float, default=5e-4)
+    parser.add_argument("--target", type=float, default=0.80, help="held-out accuracy PPO and GRPO are timed to")
+    parser.add_argument("--parts", nargs="+", default=["rm", "rlhf", "checker", "ppo", "dpo", "throughput"])
     args = parser.parse_args(argv)
     work = (REPO / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -189,7 +203,32 @@ def main(argv: list[str] | None = None) -> int:
             "curve": eval_curve(rows, "eval/accuracy"),
             "start": first,
             "end": last,
+            "time_to_target": time_to(rows, args.target),
         }
+    if "ppo" in args.parts:
+        critic = f'critic={{lr: {args.critic_lr}, warmup_steps: 10, num_threads: 1, env: {{OMP_NUM_THREADS: "1"}}}}'
+        run = run_app("grpo", "configs/grpo_addition.yaml", work / "ppo", *grpo, "algorithm=ppo", critic)
+        rows = run.pop("rows")
+        result["ppo_heldout_gain"], first, last = gain(rows)
+        late = [r["critic/explained_variance"] for r in rows[-10:]]
+        result["runs"]["ppo"] = {
+            **run,
+            "curve": eval_curve(rows, "eval/accuracy"),
+            "start": first,
+            "end": last,
+            "explained_variance_last10": sum(late) / len(late),
+            "explained_variance_curve": [(r["step"], r["critic/explained_variance"]) for r in rows],
+        }
+        ppo_time = time_to(rows, args.target)
+        grpo_time = result["runs"].get("grpo_checker", {}).get("time_to_target")
+        result["ppo_vs_grpo"] = {
+            "target": args.target,
+            "ppo_time_s": ppo_time,
+            "grpo_time_s": grpo_time,
+            "ppo_explained_variance_last10": result["runs"]["ppo"]["explained_variance_last10"],
+        }
+        if ppo_time is not None and grpo_time is not None:
+            result["ppo_vs_grpo_time_to_target"] = ppo_time / grpo_time
     if "dpo" in args.parts:
         run = run_app(
             "dpo",
@@ -213,8 +252,6 @@ def main(argv: list[str] | None = None) -> int:
         tp = asyncio.run(rm_throughput(rm, data, args.requests))
         result["rm_prebatched_vs_unbatched_throughput"] = tp["ratio"]
         result["runs"]["rm_throughput"] = tp
-    result["ppo_heldout_gain"] = None
-    result["ppo_note"] = "PPO with a critic (algorithm: ppo) is not built yet"
     result["met"] = {k: result[k] >= v for k, v in GOALS.items() if isinstance(result.get(k), float)}
     result["wall_s"] = time.perf_counter() - t_start
     top = {k: v for k, v in result.items() if k != "runs"}

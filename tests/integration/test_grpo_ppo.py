@@ -1,6 +1,7 @@
 """PPO through the GRPO app (``algorithm=ppo``), as a user runs it: the critic learns the returns
-(its explained variance and value loss), the policy's reward rises on per-token GAE advantages,
-and ``--resume`` brings the critic back from its checkpoint, not a fresh random head."""
+(its explained variance and value loss), the policy's reward rises on per-token GAE advantages
+with one sample per prompt, where GRPO learns nothing, and ``--resume`` brings the critic back
+from its checkpoint, not a fresh random head; a killed critic is replaced; multi-turn works."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def _mean(rows: list[dict], key: str) -> float:
 
 
 def test_ppo_learns_with_its_critic_and_resumes_the_critic_from_its_checkpoint(tmp_path: Path) -> None:
-    run = ("algorithm=ppo", "prompts_per_step=32", "group_size=8", "trainer.checkpoint_every=10")
+    """One sample per prompt: GRPO's group advantages are all 0 there (it gained +0.003 in the same
+    30 steps), so the reward rises only if the policy trains on the critic's GAE advantages."""
+    run = ("algorithm=ppo", "prompts_per_step=256", "group_size=1", "trainer.checkpoint_every=10")
     code, out, err = finish_app(start_app(tmp_path, *run, steps=30), 170)
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
     rows = _rows(tmp_path)
@@ -34,7 +37,8 @@ def test_ppo_learns_with_its_critic_and_resumes_the_critic_from_its_checkpoint(t
     assert _mean(late, "critic/explained_variance") > _mean(early, "critic/explained_variance") + 10, rows[-1]
     assert _mean(late, "critic/value_loss") < _mean(early, "critic/value_loss") / 3, rows[-1]
     checkpoints = tmp_path / "out" / "checkpoints"
-    assert {p.name for p in (checkpoints / "critic").iterdir()} == {p.name for p in checkpoints.glob("step_*")}
+    kept = {p.name for p in checkpoints.glob("step_*")}
+    assert kept and kept <= {p.name for p in (checkpoints / "critic").iterdir()}  # each has its critic's
 
     code, out, err = finish_app(start_app(tmp_path, *run, "--resume", steps=32), 120)
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
