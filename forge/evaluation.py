@@ -32,7 +32,7 @@ from typing import Any
 from forge.checks import check_int
 from forge.types import Group, Prompt, SampleRequest
 
-__all__ = ["EvalSettings", "eval_metrics", "evaluate", "pass_at_k"]
+__all__ = ["EvalSettings", "eval_metrics", "evaluate", "judged_samples", "pass_at_k"]
 
 Score = Callable[[Prompt, str], float]
 
@@ -104,12 +104,16 @@ def eval_metrics(
     return metrics
 
 
-async def evaluate(policy: Any, prompts: Sequence[Prompt], score: Score, settings: EvalSettings) -> dict[str, float]:
+async def evaluate(
+    policy: Any, prompts: Sequence[Prompt], score: Score, settings: EvalSettings, keep: list[Group] | None = None
+) -> dict[str, float]:
     """Evaluate the weights ``policy`` (a ``Policy`` service) serves on ``prompts``.
 
     Every request is queued at once (``route`` queues at call time), so the replicas batch them
     with whatever else they serve; each batch has the service's call timeout, so an evaluation
-    never waits forever on a dead replica (its requests are resent to a live one).
+    never waits forever on a dead replica (its requests are resent to a live one). ``keep``, if
+    given, receives the sampled groups (the greedy ones when ``samples`` is 0), for
+    ``judged_samples``.
     """
     if not prompts:
         raise ValueError("an evaluation needs at least one prompt")
@@ -124,7 +128,22 @@ async def evaluate(policy: Any, prompts: Sequence[Prompt], score: Score, setting
     greedy, sampled = groups[: len(prompts)], groups[len(prompts) :]
     metrics = eval_metrics(greedy, sampled, score, settings)
     metrics["eval/s"] = time.perf_counter() - t0
+    if keep is not None:
+        keep.extend(sampled if settings.samples else greedy)
     return metrics
+
+
+def judged_samples(groups: Sequence[Group], score: Score) -> list[dict[str, Any]]:
+    """One record per group: its question, reference answer, and each completion's text with
+    its reward (what ``forge.data.preferences.pairs_from_samples`` makes preference pairs of)."""
+    return [
+        {
+            "question": group.prompt.question,
+            "answer": group.prompt.answer,
+            "completions": [{"text": c.text, "reward": float(score(group.prompt, c.text))} for c in group.completions],
+        }
+        for group in groups
+    ]
 
 
 def _mean(values: Sequence[float]) -> float:

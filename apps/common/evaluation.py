@@ -12,12 +12,13 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from apps.common.config import EvalSamplingSection, RecordsSection
 from forge.actors.reward import WeightedReward
 from forge.data.datasets import DataSource, load_prompts
-from forge.evaluation import EvalSettings, evaluate
+from forge.evaluation import EvalSettings, evaluate, judged_samples
 from forge.observability import EVAL_STEP
 from forge.types import QUESTION, Prompt
 
@@ -72,9 +73,17 @@ class EvalPlan:
         )
         return cls(prompts, settings, WeightedReward(dict(section.reward) or dict(reward_fns)))
 
-    async def run(self, policy: Any, step: int) -> dict[str, float]:
-        """Evaluate the weights ``policy`` serves, which are those of training step ``step``."""
-        metrics = await evaluate(policy, self.prompts, self.score, self.settings)
+    async def run(self, policy: Any, step: int, samples_file: Path | None = None) -> dict[str, float]:
+        """Evaluate the weights ``policy`` serves, which are those of training step ``step``;
+        with ``samples_file``, write every sampled completion there with its reward (JSON lines,
+        ``forge.evaluation.judged_samples``)."""
+        groups: list | None = [] if samples_file is not None else None
+        metrics = await evaluate(policy, self.prompts, self.score, self.settings, keep=groups)
+        if samples_file is not None:
+            import json
+
+            lines = [json.dumps(record) for record in judged_samples(groups or [], self.score)]
+            samples_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return {**metrics, EVAL_STEP: float(step)}
 
 

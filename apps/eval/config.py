@@ -20,6 +20,9 @@ class EvalAppConfig(RunSections):
     eval: EvalSamplingSection = field(default_factory=lambda: EvalSamplingSection(reward={"exact_match": 1.0}))
     """The held-out split, how many prompts, samples per prompt, and the reward that judges them."""
     logging: LoggingSection = field(default_factory=lambda: LoggingSection(output_dir="outputs/eval"))
+    write_samples: bool = False
+    """Also write every sampled completion with its reward to ``<logging.output_dir>/samples.jsonl``
+    (e.g. a policy's own mistakes, as preference pairs: ``python -m apps.rm.policy_pairs``)."""
 
     def __post_init__(self) -> None:
         self.eval.check()

@@ -50,15 +50,15 @@ async def run(cfg: EvalAppConfig, terminal: Any, resume_from: Path | None = None
             policy = await start_role(spec, cfg, assign_gpus(cfg, roles=("policy",)), resources.host_pool)
         except Exception as exc:
             raise RoleFailed("policy", exc) from exc
-        metrics = await plan.run(policy, 0)
+        out = Path(cfg.logging.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        metrics = await plan.run(policy, 0, samples_file=out / "samples.jsonl" if cfg.write_samples else None)
     finally:
         if policy is not None:
             await policy.shutdown()
         resources.close()
     metrics.pop("eval/step", None)
     result = {"model": model_path, **metrics, "wall_s": time.perf_counter() - t_start}
-    out = Path(cfg.logging.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
     return json.dumps(result)
 

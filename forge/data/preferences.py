@@ -18,7 +18,7 @@ from pathlib import Path
 
 from forge.data.datasets import DataError, DataSource, load_split
 
-__all__ = ["PreferenceKeys", "PreferencePair", "load_preference_pairs"]
+__all__ = ["PreferenceKeys", "PreferencePair", "load_preference_pairs", "pairs_from_samples", "write_preference_pairs"]
 
 logger = logging.getLogger("forge.data")
 
@@ -78,3 +78,38 @@ def load_preference_pairs(source: DataSource, keys: PreferenceKeys = PreferenceK
     if not pairs:
         raise DataError(f"{source.path} (split {source.split!r}) holds no pair whose chosen and rejected differ")
     return pairs
+
+
+def pairs_from_samples(records: list[dict], correct_at: float = 1.0) -> list[dict]:
+    """Preference pairs from a policy's own judged samples (``forge.evaluation.judged_samples``):
+    for each question, every distinct completion whose reward is below ``correct_at`` is rejected
+    in favour of a correct one (a correct sample's text, written as the policy writes it, else the
+    reference answer). A reward model trained on them learns to reject the mistakes the policy
+    makes, not only the ones a generator thought of: the on-policy negatives of RLHF recipes."""
+    pairs = []
+    for record in records:
+        completions = record["completions"]
+        right = [c["text"] for c in completions if c["reward"] >= correct_at]
+        chosen = right[0] if right else record["answer"]
+        wrong = dict.fromkeys(c["text"] for c in completions if c["reward"] < correct_at and c["text"] != chosen)
+        pairs += [
+            {"prompt": record["question"], "chosen": chosen, "rejected": text, "answer": record["answer"]}
+            for text in wrong
+        ]
+    return pairs
+
+
+def write_preference_pairs(folder: str | Path, splits: dict[str, list[dict]]) -> Path:
+    """Write each split's pairs as ``<split>.jsonl`` in ``folder`` (TRL's preference format, plus
+    the answer a checker reads), atomically; returns the folder."""
+    import json
+
+    from forge.staging import staged_folder
+
+    for name, pairs in splits.items():
+        if not pairs:
+            raise DataError(f"split {name!r} has no preference pair (the policy made no mistake to reject?)")
+    with staged_folder(Path(folder), prefix=".tmp_data_") as tmp:
+        for name, pairs in splits.items():
+            (tmp / f"{name}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
+    return Path(folder)

@@ -180,12 +180,19 @@ def test_the_eval_app_finds_the_models_own_greedy_answers_all_correct(sft_runs: 
         f"eval.data.path={tmp_path / 'own'}",
         "eval.samples=2",
         "eval.max_tokens=4",
+        "write_samples=true",
         f"logging.output_dir={tmp_path / 'eval'}",
     )
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["eval/prompts"] == len(own) and result["eval/accuracy"] == 1.0, result
     assert {"eval/pass@2", "eval/mean@2", "eval/s"} <= set(result) and result["eval/policy_version"] == 0
+    # write_samples: the sampled completions the figures came from, each with its reward.
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert sorted((r["question"], r["answer"]) for r in samples) == sorted((o["question"], o["answer"]) for o in own)
+    rewards = [c["reward"] for r in samples for c in r["completions"]]
+    assert len(rewards) == 2 * len(own) and abs(sum(rewards) / len(rewards) - result["eval/mean@2"]) < 1e-9
+    assert all(c["reward"] == float(c["text"] == r["answer"]) for r in samples for c in r["completions"])
 
 
 def test_grpo_trains_from_the_sft_model_and_evaluates_beside_training(sft_runs: SFTRuns, tmp_path: Path) -> None:

@@ -69,3 +69,36 @@ def test_addition_preferences_prefer_the_sum_over_a_near_miss_on_the_tasks_own_s
             assert wrong in (1, 2)
             kinds.add(wrong)
     assert kinds == {1, 2, "length"}  # every kind of miss a sampled policy makes
+
+
+def test_a_policys_judged_samples_become_pairs_of_a_right_answer_over_each_distinct_mistake(tmp_path):
+    from forge.data.preferences import pairs_from_samples, write_preference_pairs
+
+    records = [
+        {  # a right sample is the chosen side, as the policy writes it; the two mistakes once each
+            "question": "1+1=",
+            "answer": "2",
+            "completions": [
+                {"text": "2 ", "reward": 1.0},
+                {"text": "3", "reward": 0.0},
+                {"text": "3", "reward": 0.0},
+                {"text": "4", "reward": 0.5},
+            ],
+        },
+        {"question": "2+2=", "answer": "4", "completions": [{"text": "5", "reward": 0.0}]},  # no right sample
+        {"question": "3+3=", "answer": "6", "completions": [{"text": "6", "reward": 1.0}]},  # no mistake
+    ]
+    pairs = pairs_from_samples(records)
+    assert [(p["prompt"], p["chosen"], p["rejected"]) for p in pairs] == [
+        ("1+1=", "2 ", "3"),
+        ("1+1=", "2 ", "4"),
+        ("2+2=", "4", "5"),
+    ]
+    assert [p["rejected"] for p in pairs_from_samples(records, correct_at=0.5)] == ["3", "5"]
+    folder = write_preference_pairs(tmp_path / "prefs", {"train": pairs, "test": pairs[:1]})
+    loaded = load_preference_pairs(DataSource(path=str(folder), split="train"))
+    assert [(p.prompt, p.chosen, p.rejected) for p in loaded] == [
+        (p["prompt"], p["chosen"], p["rejected"]) for p in pairs
+    ]
+    with pytest.raises(DataError, match="split 'test' has no preference pair"):
+        write_preference_pairs(tmp_path / "none", {"train": pairs, "test": []})
