@@ -10,11 +10,19 @@ then, one after the other, each in a process of its own on the same cores:
 1. the reward-model app from it (``configs/rm_addition.yaml``, ``--rm-steps``) on the generated
    preference pairs (the correct sum over a near miss): ``rm_pairwise_accuracy``, its held-out
    pairwise accuracy (goal >= 0.9);
-2. GRPO from it (``configs/grpo_addition.yaml``, ``--grpo-steps``) with **only** the learned
-   reward (``reward.models``; the checker logged at weight 0, never trained on):
-   ``rlhf_heldout_gain``, its held-out exact-match accuracy (the app's own evaluation, greedy,
-   500 held-out prompts) at the last step minus at step 0 (goal >= +0.15 within 10 min); the same
-   run with the checker as the reward is ``checker_heldout_gain``, for reference;
+2. RLHF: GRPO from it (``configs/grpo_addition.yaml``) with **only** a learned reward
+   (``reward.models``; the checker logged at weight 0, never trained on): ``rlhf_heldout_gain``,
+   its held-out exact-match accuracy (the app's own evaluation, greedy, 500 held-out prompts) at
+   the last step minus at step 0 (goal >= +0.15 within 10 min). Its reward model is trained in
+   ``--rounds`` rounds on the near misses plus the policy's own mistakes: round 1's negatives are
+   the SFT model's samples at temperature 1 (``apps.eval`` with ``write_samples``, judged by the
+   checker; ``apps.rm.policy_pairs``) on ``--pair-prompts`` training questions; each later round
+   adds the mistakes of a policy optimised hard against the last round's reward model (a
+   ``--grpo-steps`` GRPO run on it, which hacks it) on ``--harvest-prompts`` questions. The final
+   GRPO run is short and held near the SFT model (``--rlhf-steps``, ``trainer.beta=0.3``,
+   ``reward.normalize=batch``). ``rlhf_near_miss_heldout_gain`` is the same final run on the
+   near-miss reward model of 1., and the checker as the reward (``--grpo-steps``) is
+   ``checker_heldout_gain``, for reference;
 3. DPO from it (``configs/dpo_addition.yaml``, ``--dpo-steps``) on the same pairs:
    ``dpo_heldout_gain`` the same way (goal >= +0.10 within 5 min);
 4. PPO from it (``configs/grpo_addition.yaml`` with ``algorithm=ppo`` and a critic from the same
@@ -77,6 +85,39 @@ def run_app(app: str, config: str, out: Path, *overrides: str) -> dict[str, Any]
     return {"wall_s": wall, "summary": line, "rows": rows, "folder": str(out)}
 
 
+def policy_samples(model: Path, out: Path, split: str, prompts: int, samples: int = 4) -> Path:
+    """``model``'s judged samples (temperature 1) on ``prompts`` questions of ``split``: ``apps.eval``
+    with ``write_samples``; returns its ``samples.jsonl``."""
+    cmd = [str(PYTHON), "-m", "apps.eval.main", "--config", "configs/eval_addition.yaml", f"model.path={model}"]
+    cmd += ["write_samples=true", f"eval.data.split={split}", f"eval.max_prompts={prompts}", f"eval.samples={samples}"]
+    cmd += [f"logging.output_dir={out}", "logging.progress_bar=false"]
+    print("eval:", " ".join(cmd[3:]), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env())
+    if proc.returncode != 0:
+        raise RuntimeError(f"apps.eval exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return out / "samples.jsonl"
+
+
+def round_pairs(folder: Path, near_misses: Path, train_samples: list[Path], test_samples: Path) -> dict[str, int]:
+    """A reward model's preference folder: the near misses and every policy mistake gathered so far
+    (training questions), held out: the SFT model's mistakes on held-out questions."""
+    import random
+
+    from apps.rm.policy_pairs import read_samples
+    from forge.data.preferences import pairs_from_samples, write_preference_pairs
+
+    lines = (near_misses / "train.jsonl").read_text(encoding="utf-8").splitlines()
+    train = [json.loads(line) for line in lines if line.strip()]
+    for path in train_samples:
+        train += pairs_from_samples(read_samples(str(path)))
+    random.Random(0).shuffle(train)
+    splits = {"train": train, "test": pairs_from_samples(read_samples(str(test_samples)))}
+    write_preference_pairs(folder, splits)
+    return {name: len(pairs) for name, pairs in splits.items()}
+
+
 def eval_curve(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float, float]]:
     """``(eval/step, value, wall_s)`` of every evaluation in a run's rows."""
     return [(r["eval/step"], r[key], r["wall_s"]) for r in rows if key in r and "eval/step" in r]
@@ -137,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rm-steps", type=int, default=800)
     parser.add_argument("--rm-lr", type=float, default=3e-4)
     parser.add_argument("--grpo-steps", type=int, default=60)
+    parser.add_argument("--rlhf-steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2, help="reward models trained, each on more policy mistakes")
+    parser.add_argument("--pair-prompts", type=int, default=20000)
+    parser.add_argument("--harvest-prompts", type=int, default=5000)
     parser.add_argument("--dpo-steps", type=int, default=150)
     parser.add_argument("--requests", type=int, default=1024)
     parser.add_argument("--critic-lr", type=float, default=5e-4)
@@ -174,26 +219,81 @@ def main(argv: list[str] | None = None) -> int:
         "eval.samples=0",
         f"weight_sync.dir={work / 'weights'}",
     ]
+    learned_only = ["reward.fns={exact_match: 0.0}", "eval.reward={exact_match: 1.0}"]
+    held_near = ["trainer.beta=0.3", "reward.normalize=batch", f"steps={args.rlhf_steps}", "eval.every=10"]
     if "rlhf" in args.parts:
-        learned = [
-            "reward.fns={exact_match: 0.0}",
-            f"reward.models={{{rm}: 1.0}}",
-            "reward.normalize=running",
-            "eval.reward={exact_match: 1.0}",
-        ]
-        run = run_app("grpo", "configs/grpo_addition.yaml", work / "grpo_rm", *grpo, *learned)
+        near = REPO / "data" / "addition_3d_rev_preferences"
+        if not near.exists():
+            from forge.data.arithmetic import make_task_data
+
+            make_task_data(near, {"task": "addition_preferences", "digits": 3, "reversed_operands": True})
+        test_samples = policy_samples(sft, work / "samples_test", "test", 1000)
+        train_samples = [policy_samples(sft, work / "samples_train_r1", "train", args.pair_prompts)]
+        rounds: list[dict[str, Any]] = []
+        for k in range(1, args.rounds + 1):
+            counts = round_pairs(work / f"prefs_r{k}", near, train_samples, test_samples)
+            rm_k = run_app(
+                "rm",
+                "configs/rm_addition.yaml",
+                work / f"rm_r{k}",
+                *start,
+                f"data.path={work / f'prefs_r{k}'}",
+                "data.make_if_missing={}",
+                f"steps={args.rm_steps}",
+                f"trainer.lr={args.rm_lr}",
+                "eval.every=100",
+            )
+            entry = {"pairs": counts, "rm": {**rm_k, "curve": eval_curve(rm_k.pop("rows"), "eval/pairwise_accuracy")}}
+            if k < args.rounds:  # optimise hard against it, and gather the mistakes it overrates
+                model = f"reward.models={{{work / f'rm_r{k}' / 'final_model'}: 1.0}}"
+                harvest = run_app(
+                    "grpo",
+                    "configs/grpo_addition.yaml",
+                    work / f"grpo_harvest_r{k}",
+                    *start,
+                    *learned_only,
+                    model,
+                    "reward.normalize=running",
+                    f"steps={args.grpo_steps}",
+                    "eval.every=0",
+                    f"weight_sync.dir={work / 'weights'}",
+                )
+                rows = harvest.pop("rows")
+                entry["harvest"] = {**harvest, "checked": [(r["step"], r.get("reward/fn_exact_match")) for r in rows]}
+                policy = work / f"grpo_harvest_r{k}" / "final_model"
+                train_samples.append(
+                    policy_samples(policy, work / f"samples_train_r{k + 1}", "train", args.harvest_prompts)
+                )
+            rounds.append(entry)
+        model = f"reward.models={{{work / f'rm_r{args.rounds}' / 'final_model'}: 1.0}}"
+        grpo_final = [*start, *learned_only, model, *held_near, "eval.samples=0", f"weight_sync.dir={work / 'weights'}"]
+        run = run_app("grpo", "configs/grpo_addition.yaml", work / "grpo_rm", *grpo_final)
         rows = run.pop("rows")
         result["rlhf_heldout_gain"], first, last = gain(rows)
-        checked = [
-            (r["step"], r["reward/fn_exact_match"], r["reward/model_rm"]) for r in rows if "reward/model_rm" in r
-        ]
+        learned_key = next((k for k in rows[-1] if k.startswith("reward/model_")), None)
+        checked = [(r["step"], r.get("reward/fn_exact_match"), r.get(learned_key)) for r in rows]
         result["runs"]["grpo_rm"] = {
             **run,
             "curve": eval_curve(rows, "eval/accuracy"),
             "start": first,
             "end": last,
             "train_reward_checked_vs_learned": checked,
+            "rounds": rounds,
         }
+        if rm.exists():  # the near-miss reward model of 1., on the same final run
+            near_model = f"reward.models={{{rm}: 1.0}}"
+            grpo_near = [
+                *start,
+                *learned_only,
+                near_model,
+                *held_near,
+                "eval.samples=0",
+                f"weight_sync.dir={work / 'weights'}",
+            ]
+            run = run_app("grpo", "configs/grpo_addition.yaml", work / "grpo_rm_near_miss", *grpo_near)
+            rows = run.pop("rows")
+            result["rlhf_near_miss_heldout_gain"], first, last = gain(rows)
+            result["runs"]["grpo_rm_near_miss"] = {**run, "curve": eval_curve(rows, "eval/accuracy")}
     if "checker" in args.parts:
         run = run_app("grpo", "configs/grpo_addition.yaml", work / "grpo_checker", *grpo)
         rows = run.pop("rows")
