@@ -147,7 +147,7 @@ async def test_a_dead_critic_is_replaced_like_the_trainer_and_shares_its_restart
     critic_died = RoleFailed("critic", ReplicaFailed("its process died"))
     assert trainer_died(critic_died) and not trainer_died(RoleFailed("critic", ValueError("a bug")))
     assert not trainer_died(RoleFailed("policy", ReplicaFailed("its process died")))
-    restarts = _ScriptedRestarts(_cfg(tmp_path, "algorithm=ppo"), [None])
+    restarts = _ScriptedRestarts(_cfg(tmp_path, "algorithm=ppo", "critic={}"), [None])
     assert await restarts.restart(critic_died) == (4, 4)
     assert restarts.dead == ["critic"] and restarts.replaced == ["step_00000004"]
     assert restarts.deaths == ["critic: ReplicaFailed: its process died"], restarts.deaths
