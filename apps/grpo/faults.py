@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from apps.common.roles import RoleFailed
+from apps.common.roles import RoleFailed, call_role
 from forge.checkpoint import latest_checkpoint
 from forge.controller import ReplicaFailed, ReplicaState
 
@@ -61,6 +61,16 @@ def service_gave_up(
             f"replicas: {states}"
         )
     return None
+
+
+async def mesh_call(cfg: GRPOConfig, role: str, endpoint: Any, *args: Any) -> Any:
+    """A call to every rank of ``role``'s SPMD mesh (the trainer, PPO's critic) that fails as a hang
+    (``RequestTimeout``) past ``faults.health_timeout_s``: a stopped rank never answers, and the run
+    replaces the mesh as it replaces one that died (``trainer_restart.py``). Keep it above the
+    longest step."""
+    from forge.distributed import call_spmd
+
+    return await call_role(role, call_spmd(endpoint, *args, timeout_s=cfg.faults.health_timeout_s))
 
 
 def resume_hint(cfg: GRPOConfig) -> str:

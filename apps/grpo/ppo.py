@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from apps.common.config import settings
-from apps.common.roles import call_role
-from forge.distributed import call_spmd
+from apps.grpo.faults import mesh_call
 
 if TYPE_CHECKING:
     from apps.common.launch import Roles
@@ -75,8 +74,8 @@ def critic_checkpoint(cfg: GRPOConfig, trainer_checkpoint: Path) -> Path:
 
 
 async def critic_call(cfg: GRPOConfig, endpoint: Any, *args: Any) -> Any:
-    """A call to every critic rank, bounded like the trainer's (``faults.health_timeout_s``)."""
-    return await call_role("critic", call_spmd(endpoint, *args, timeout_s=cfg.faults.health_timeout_s))
+    """A call to every critic rank, bounded like the trainer's (``faults.mesh_call``)."""
+    return await mesh_call(cfg, "critic", endpoint, *args)
 
 
 def ppo_targets(

@@ -41,14 +41,13 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from apps.common.launch import Roles, RunResources, assign_gpus, start_role
-from apps.common.roles import RUN_ENV, RoleFailed, call_role
-from apps.grpo.faults import RoleWatch, resume_hint, role_processes
+from apps.common.roles import RUN_ENV, RoleFailed
+from apps.grpo.faults import RoleWatch, mesh_call, resume_hint, role_processes
 from apps.grpo.roles import role_specs
 from forge.checkpoint import latest_checkpoint
 from forge.controller import ForgeActor, ReplicaFailed, RequestTimeout
 from forge.controller.errors import describe
 from forge.controller.hosts import NotEnoughHosts
-from forge.distributed import call_spmd
 from forge.observability import record_metric
 
 if TYPE_CHECKING:
@@ -168,8 +167,7 @@ class TrainerRestarts:
             roles.trainer = trainer
             weights.use_trainer(trainer)
             await self.watch.watch_actor("trainer", trainer)
-        load = call_spmd(roles.trainer.load_checkpoint, checkpoint, timeout_s=cfg.faults.health_timeout_s)
-        step, version, _ = await call_role("trainer", load)
+        step, version, _ = await mesh_call(cfg, "trainer", roles.trainer.load_checkpoint, checkpoint)
         if roles.critic is not None:  # both meshes at the checkpoint's step, as on --resume
             from apps.grpo.ppo import load_critic
 
@@ -227,15 +225,15 @@ class TrainerRestarts:
         served before (the dead trainer's). A replica at another version is named in a warning."""
         cfg, roles = self.cfg, self.roles
         record_metric("weight_sync/restore/rolled_back_from", rolled_back_from, "last")
-        fingerprint = call_spmd(roles.trainer.weights_fingerprint, timeout_s=cfg.faults.health_timeout_s)
-        for name, value in zip(("sum", "sumsq"), await call_role("trainer", fingerprint)):
+        fingerprint = await mesh_call(cfg, "trainer", roles.trainer.weights_fingerprint)
+        for name, value in zip(("sum", "sumsq"), fingerprint):
             record_metric(f"weight_sync/restore/trainer_{name}", value, "last")
         samples = await self._policy_call(self.weights.probes(PROBE_PROMPT))
         if not samples:
             return
         pairs = [(PROBE_PROMPT, tokens) for _, tokens, _ in samples]
-        scored = call_spmd(roles.trainer.probe_logprobs, pairs, timeout_s=cfg.faults.health_timeout_s)
-        for i, ((served, _, got), want) in enumerate(zip(samples, await call_role("trainer", scored))):
+        scored = await mesh_call(cfg, "trainer", roles.trainer.probe_logprobs, pairs)
+        for i, ((served, _, got), want) in enumerate(zip(samples, scored)):
             gap = max((abs(g - w) for g, w in zip(got, want)), default=float("nan"))  # nan: no token sampled
             record_metric(f"weight_sync/restore/policy{i}_version", served, "last")
             record_metric(f"weight_sync/restore/policy{i}_logprob_gap", gap, "last")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from apps.common.launch import Roles
 from apps.common.roles import call_role
+from apps.grpo.faults import mesh_call
 from apps.grpo.ppo import critic_step, load_critic, save_critic, with_ppo_targets
 from apps.grpo.rollouts import Rollouts
 from forge.distributed import call_spmd  # the trainer is one SPMD mesh: every rank gets each call
@@ -125,10 +126,8 @@ async def train(
 
 
 async def trainer_call(cfg: GRPOConfig, endpoint: Any, *args: Any) -> Any:
-    """A call to every trainer rank that fails as a hang (``RequestTimeout``) past
-    ``faults.health_timeout_s``: a stopped rank never answers, and the run replaces the trainer as
-    it replaces one that died (``trainer_restart.py``). Keep it above the longest step."""
-    return await call_role("trainer", call_spmd(endpoint, *args, timeout_s=cfg.faults.health_timeout_s))
+    """A call to every trainer rank, bounded by ``faults.health_timeout_s`` (``faults.mesh_call``)."""
+    return await mesh_call(cfg, "trainer", endpoint, *args)
 
 
 # ----------------------------------------------------------------------------- checkpoints
