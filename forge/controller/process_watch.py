@@ -41,29 +41,21 @@ def this_process() -> ProcessIdentity:
 def watchable(processes: list[ProcessIdentity]) -> list[ProcessIdentity]:
     """The processes the controller sees as they are: on its host, under the same pid and start time."""
     here = socket.gethostname()
-    return [p for p in processes if p.hostname == here and _same(p)]
+    return [p for p in processes if p.hostname == here and _running(p) is not None]
 
 
 def first_gone(processes: list[ProcessIdentity]) -> ProcessIdentity | None:
     """The first of ``processes`` that no longer runs (exited, a zombie, or its pid reused); None if all run."""
-    for process in processes:
-        if not _same(process):
-            return process
-        try:
-            if psutil.Process(process.pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                return process
-        except psutil.Error:
-            return process
-    return None
+    return next((p for p in processes if not _running(p)), None)
 
 
-def _started_at(pid: int) -> float | None:
+def _running(process: ProcessIdentity) -> bool | None:
+    """Whether ``process`` runs (False: a zombie or dead); None when its pid now names another
+    process (another start time) or none."""
     try:
-        return psutil.Process(pid).create_time()
+        found = psutil.Process(process.pid)
+        if abs(found.create_time() - process.started_at) > _START_TIME_TOLERANCE_S:
+            return None
+        return found.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.Error:
         return None
-
-
-def _same(process: ProcessIdentity) -> bool:
-    started = _started_at(process.pid)
-    return started is not None and abs(started - process.started_at) <= _START_TIME_TOLERANCE_S

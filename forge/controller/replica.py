@@ -158,8 +158,9 @@ class Replica:
                 self.mesh_name, self.spec.actor_cls, *self.spec.args, **self.spec.kwargs
             )
             await await_with_timeout(self.actor_mesh.setup.call(), opts.setup_timeout_s)
-            identities = await await_with_timeout(self.actor_mesh._forge_process.call(), opts.setup_timeout_s)
-            self.processes = watchable(list(identities.values()))
+            if opts.health_interval_s is not None:  # the health loop watches its processes
+                identities = await await_with_timeout(self.actor_mesh._forge_process.call(), opts.setup_timeout_s)
+                self.processes = watchable(list(identities.values()))
         except BaseException as exc:
             self.state = ReplicaState.FAILED
             self.failure = describe(exc)
