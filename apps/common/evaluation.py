@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,8 +81,6 @@ class EvalPlan:
         groups: list | None = [] if samples_file is not None else None
         metrics = await evaluate(policy, self.prompts, self.score, self.settings, keep=groups)
         if samples_file is not None:
-            import json
-
             lines = [json.dumps(record) for record in judged_samples(groups or [], self.score)]
             samples_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return {**metrics, EVAL_STEP: float(step)}

@@ -96,18 +96,22 @@ def ppo_targets(
     width = int(lens.max()) if lens.numel() else 0
     rows = torch.arange(width)[None, :] < lens[:, None]  # [B, T]: each response's tokens, left-aligned
     value_rows = laid_out(values.float(), rows)
-    mask_rows = laid_out(trained.float(), rows)
-    advantages, returns = ppo.gae(batch.rewards.float(), value_rows, mask_rows, gamma=gamma, lam=lam)
-    raw_std = float(advantages[mask_rows.bool()].std(correction=0)) if mask_rows.any() else 0.0
+    mask_rows = laid_out(trained.bool(), rows)
+    advantages, returns = ppo.gae(batch.rewards.float(), value_rows, mask_rows.float(), gamma=gamma, lam=lam)
+    any_trained = bool(mask_rows.any())
+
+    def mean_over_trained(x: torch.Tensor) -> float:
+        return float(x[mask_rows].mean()) if any_trained else 0.0
+
+    stats = {
+        "critic/explained_variance": ppo.explained_variance(value_rows, returns, mask_rows),
+        "critic/value_mean": mean_over_trained(value_rows),
+        "critic/return_mean": mean_over_trained(returns),
+        "ppo/advantage_std": float(advantages[mask_rows].std(correction=0)) if any_trained else 0.0,
+    }
     if whiten:
         advantages = ppo.whiten(advantages, mask_rows)
     columns = {"token_advantages": advantages[rows], "returns": returns[rows], "values": values.float()}
-    stats = {
-        "critic/explained_variance": ppo.explained_variance(value_rows, returns, mask_rows),
-        "critic/value_mean": float(value_rows[mask_rows.bool()].mean()) if mask_rows.any() else 0.0,
-        "critic/return_mean": float(returns[mask_rows.bool()].mean()) if mask_rows.any() else 0.0,
-        "ppo/advantage_std": raw_std,
-    }
     return columns, stats
 
 
