@@ -69,8 +69,8 @@ def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 
 
-def run_app(app: str, config: str, out: Path, *overrides: str) -> dict[str, Any]:
-    """``python -m apps.<app>.main`` to completion: its rows, summary line and wall seconds."""
+def launch_app(app: str, config: str, out: Path, *overrides: str) -> tuple[str, float]:
+    """``python -m apps.<app>.main`` to completion, its outputs in ``out``: its last line and wall seconds."""
     cmd = [str(PYTHON), "-m", f"apps.{app}.main", "--config", config, f"logging.output_dir={out}"]
     cmd += ["logging.progress_bar=false", *overrides]
     print(f"{app}:", " ".join(cmd[3:]), flush=True)
@@ -81,6 +81,12 @@ def run_app(app: str, config: str, out: Path, *overrides: str) -> dict[str, Any]
         raise RuntimeError(f"apps.{app} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     line = proc.stdout.strip().splitlines()[-1]
     print(f"  {line}\n  ({wall:.0f} s)", flush=True)
+    return line, wall
+
+
+def run_app(app: str, config: str, out: Path, *overrides: str) -> dict[str, Any]:
+    """A training app to completion: its rows, summary line and wall seconds."""
+    line, wall = launch_app(app, config, out, *overrides)
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
     return {"wall_s": wall, "summary": line, "rows": rows, "folder": str(out)}
 
@@ -88,15 +94,16 @@ def run_app(app: str, config: str, out: Path, *overrides: str) -> dict[str, Any]
 def policy_samples(model: Path, out: Path, split: str, prompts: int, samples: int = 4) -> Path:
     """``model``'s judged samples (temperature 1) on ``prompts`` questions of ``split``: ``apps.eval``
     with ``write_samples``; returns its ``samples.jsonl``."""
-    cmd = [str(PYTHON), "-m", "apps.eval.main", "--config", "configs/eval_addition.yaml", f"model.path={model}"]
-    cmd += ["write_samples=true", f"eval.data.split={split}", f"eval.max_prompts={prompts}", f"eval.samples={samples}"]
-    cmd += [f"logging.output_dir={out}", "logging.progress_bar=false"]
-    print("eval:", " ".join(cmd[3:]), flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env())
-    if proc.returncode != 0:
-        raise RuntimeError(f"apps.eval exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    launch_app(
+        "eval",
+        "configs/eval_addition.yaml",
+        out,
+        f"model.path={model}",
+        "write_samples=true",
+        f"eval.data.split={split}",
+        f"eval.max_prompts={prompts}",
+        f"eval.samples={samples}",
+    )
     return out / "samples.jsonl"
 
 
