@@ -2,8 +2,9 @@
 
     python benchmarks/vs_vllm_serve.py --out vs_vllm_serve.json
     python benchmarks/vs_vllm_serve.py --parts serve --requests 2000 --out serve.json
+    python benchmarks/vs_vllm_serve.py --parts sessions --out sessions.json
 
-Two parts, one after the other, nothing else running:
+Three parts, one after the other, nothing else running:
 
 - ``serve``: ``python -m apps.serve.main --config configs/serve_tiny.yaml`` (one policy replica) and
   ``python -m vllm.entrypoints.openai.api_server`` on the same model folder (the tiny chat model
@@ -12,6 +13,13 @@ Two parts, one after the other, nothing else running:
   ``--clients`` concurrent clients. Keys ``forge_vs_vllm_serve_throughput`` (forge's requests/s over
   vLLM's; goal >= 0.9) and ``forge_vs_vllm_serve_p99`` (forge's p99 latency over vLLM's; goal
   <= 1.2), with each server's own figures under ``serve``.
+- ``sessions``: forge's server on 2 policy replicas, ``--sessions`` concurrent multi-turn chats
+  of ``--turns`` turns each (the whole history sent every turn, as a chat client does, with its
+  ``X-Session-ID``), once with ``server.router=key_affinity`` (every turn of a session on the
+  replica holding its prefix) and once with ``round_robin``. Key
+  ``session_vs_round_robin_prefill``: the prompt tokens the engines computed (prefill: prompt
+  tokens less those their prefix caches held, from ``/metrics``) with session routing over round
+  robin; goal <= 0.5.
 - ``agent``: the GRPO app on ``configs/multiturn_tiny.yaml`` (the reversal game as an
   ``Environment``) and on ``configs/agent_tiny.yaml`` (the same game as an agent, through the front
   door), the same ``--steps`` and seed. Keys ``agent_vs_env_reward_last10`` (the agent run's mean
@@ -161,6 +169,74 @@ def serve_part(args: argparse.Namespace, folder: Path) -> dict:
     }
 
 
+async def engine_tokens(url: str) -> dict[str, float]:
+    """The replicas' prompt and computed (prefill) tokens so far, from forge's ``/metrics``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(url.removesuffix("/v1") + "/metrics")).text
+    totals = {"prompt": 0.0, "computed": 0.0, "cached": 0.0}
+    names = {
+        "forge_engine_prompt_tokens_total": "prompt",
+        "forge_engine_computed_prompt_tokens_total": "computed",
+        "forge_engine_cached_prompt_tokens_total": "cached",
+    }
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                totals[names[sample.name]] += sample.value
+    return totals
+
+
+async def chat_sessions(url: str, sessions: int, turns: int, max_tokens: int) -> dict[str, float]:
+    """``sessions`` concurrent chats of ``turns`` turns, each turn sending the whole history; the
+    prompt tokens the engines computed for them, and how long they took."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+    before = await engine_tokens(url)
+
+    async def chat(i: int) -> None:
+        messages = [{"role": "user", "content": f"session {i}: what is {i}+{i}?"}]
+        for turn in range(turns):
+            reply = await client.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=max_tokens,
+                seed=i * 100 + turn,
+                extra_headers={"X-Session-ID": f"chat-{i}"},
+            )
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": f"and {turn}+{i}?"},
+            ]
+
+    started = time.perf_counter()
+    await asyncio.gather(*(chat(i) for i in range(sessions)))
+    wall = time.perf_counter() - started
+    after = await engine_tokens(url)
+    await client.close()
+    figures = {key: after[key] - before[key] for key in before}
+    return {**figures, "wall_s": wall}
+
+
+def sessions_part(args: argparse.Namespace, folder: Path) -> dict:
+    runs = {}
+    for router in ("key_affinity", "round_robin"):
+        overrides = ["policy.num_replicas=2", "policy.max_model_len=1024", f"server.router={router}", *args.forge_set]
+        proc, url, _ = start_forge(folder / f"sessions-{router}", overrides)
+        try:
+            runs[router] = asyncio.run(chat_sessions(url, args.sessions, args.turns, args.max_tokens))
+        finally:
+            stop(proc)
+        print(f"  {router}: {runs[router]}", flush=True)
+    return {
+        "session_vs_round_robin_prefill": runs["key_affinity"]["computed"] / runs["round_robin"]["computed"],
+        "sessions": runs,
+    }
+
+
 def app_run(config: str, steps: int, seed: int, folder: Path) -> dict[str, float]:
     cmd = app_command(config, folder, f"steps={steps}", f"seed={seed}", "logging.plot=false")
     started = time.monotonic()
@@ -192,12 +268,16 @@ def agent_part(args: argparse.Namespace, folder: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where the JSON report goes")
-    parser.add_argument("--parts", nargs="+", default=["serve", "agent"], choices=["serve", "agent"])
+    parser.add_argument(
+        "--parts", nargs="+", default=["serve", "sessions", "agent"], choices=["serve", "sessions", "agent"]
+    )
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--vllm-port", type=int, default=8931)
     parser.add_argument("--forge-set", nargs="*", default=[], help="overrides of forge's server config")
+    parser.add_argument("--sessions", type=int, default=32, help="concurrent chats of the sessions part")
+    parser.add_argument("--turns", type=int, default=8, help="turns of each chat of the sessions part")
     parser.add_argument("--steps", type=int, default=80, help="GRPO steps of each agent-part run")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -205,10 +285,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="forge-vs-vllm-serve-") as tmp:
         for part in args.parts:
             print(f"{part}:", flush=True)
-            report.update(serve_part(args, Path(tmp)) if part == "serve" else agent_part(args, Path(tmp)))
+            run = {"serve": serve_part, "sessions": sessions_part, "agent": agent_part}[part]
+            report.update(run(args, Path(tmp)))
     report["load_after"] = os.getloadavg()[0]
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k.startswith(("forge_vs", "agent_vs"))}))
+    print(json.dumps({k: v for k, v in report.items() if k.startswith(("forge_vs", "agent_vs", "session_vs"))}))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ __all__ = [
     "SFTBatch",
     "SFTExample",
     "SampleRequest",
+    "SampledSoFar",
     "TurnRequest",
     "TurnResult",
 ]
@@ -341,6 +343,12 @@ class SampleRequest:
     """The prompt as token ids, sent to the engine as they are (``prompt.text`` is then only a label):
     the front door's session turns, whose history holds the model's own tokens as it sampled them.
     None: the engine tokenises ``prompt.text``."""
+    request_id: str | None = None
+    """Names the request for ``Policy.cancel`` (unique among the requests in flight); None: it
+    cannot be cancelled."""
+    stream_to: Any = None
+    """A Monarch ``Port`` that receives a ``SampledSoFar`` after each engine step that sampled
+    tokens of this request (the batched engine only); the result still carries every token."""
 
     @property
     def engine_input(self) -> str | list[int]:
@@ -352,6 +360,19 @@ class SampleRequest:
         """What must be equal for requests to share one engine call:
         ``(n, temperature, max_tokens, top_p, stop)``."""
         return self.n, self.temperature, self.max_tokens, self.top_p, self.stop
+
+
+@dataclass(frozen=True)
+class SampledSoFar:
+    """A streamed request's progress after one engine step: one sample's new tokens."""
+
+    index: int
+    """Which of the request's ``n`` samples."""
+    start: int
+    """How many of its tokens came before these."""
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    """The behaviour logprob of each of ``token_ids``."""
 
 
 @dataclass

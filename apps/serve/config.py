@@ -21,6 +21,10 @@ class ServerSection:
     """Longest a request waits for the policy service (then 504)."""
     model_name: str = ""
     """The model id clients name; empty: the name of ``model.path``'s folder."""
+    router: str = "key_affinity"
+    """How a request picks its replica: ``key_affinity`` sends every turn of a session (its
+    ``X-Session-ID``, else ``user``, else the prompt) to the replica that holds its prefix; any
+    other registered router (``round_robin``, ``least_loaded``) ignores the key."""
 
 
 @dataclass(kw_only=True)
@@ -39,6 +43,12 @@ class ServeConfig(RunSections):
             raise ValueError(f"server.max_concurrent must be >= 1, got {s.max_concurrent}")
         if s.request_timeout_s <= 0:
             raise ValueError(f"server.request_timeout_s must be > 0, got {s.request_timeout_s}")
+        from forge.controller.routing import make_router
+
+        try:
+            make_router(s.router)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"server.router: {exc}") from None
         if s.api_key is not None and not s.api_key:
             raise ValueError("server.api_key is empty; give a key or leave it unset (null)")
         if not is_loopback(s.host) and s.api_key is None:

@@ -44,7 +44,7 @@ async def run(cfg: ServeConfig, terminal: Any, resume_from: Any = None) -> str:
         policy_config(cfg, str(model_path), group_size=1),
         POLICY_ENV,
         options={
-            "endpoint_routers": {"sample": "key_affinity"},
+            "endpoint_routers": {"sample": cfg.server.router},
             # More than one batch in flight: a request arriving mid-batch joins the engine at its next step.
             "concurrent_batches": {"sample": cfg.policy.concurrent_batches},
         },
@@ -64,6 +64,7 @@ async def run(cfg: ServeConfig, terminal: Any, resume_from: Any = None) -> str:
             api_key=s.api_key,
             max_concurrent=s.max_concurrent,
             request_timeout_s=s.request_timeout_s,
+            streaming=cfg.policy.engine_mode == "batched",
         )
         app = make_app(policy, tokenizer, settings)
         running = await start_server(app, s.host, s.port, own_signals=True)

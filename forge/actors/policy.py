@@ -36,6 +36,7 @@ on the replica every prompt shares ``generate``'s one batch queue.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import inspect
 import logging
@@ -47,9 +48,11 @@ from typing import Any
 import torch
 
 from forge.actors.policy_batches import PackedGroups, PackedTurns
+from forge.actors.policy_streams import EarlyCancels, StreamSender, aborted_samples
 from forge.controller import Batching, ForgeActor, endpoint
 from forge.generation.adapter_inbox import AdapterInbox
 from forge.generation.drain_gate import DrainGate
+from forge.generation.engine_steps import EngineCounters
 from forge.generation.lora import serving_rank
 from forge.models.lora import LoraSettings
 from forge.observability import record_metric
@@ -183,6 +186,7 @@ class Policy(ForgeActor):
         self.engine: Any = None  # forge.generation.VllmEngine or AsyncVllmEngine, made in setup
         self._adapters: AdapterInbox | None = None  # LoRA: where adapters sent as messages are written
         self._gate = DrainGate()  # generate/sample/turn calls in flight (their endpoints are concurrent)
+        self._early_cancels = EarlyCancels()  # cancels that came before their request
         self._updates: list[tuple[float, float, int]] = []  # (arrived, loaded, version), time.monotonic()
 
     @endpoint
@@ -248,9 +252,12 @@ class Policy(ForgeActor):
         """Each request's completions at its own settings: one engine call per distinct
         ``settings`` in the batch, each request seeded by its own ``seed`` if it has one."""
         by_settings: dict[tuple, list[int]] = {}
-        for i, request in enumerate(requests):
-            by_settings.setdefault(request.settings, []).append(i)
         outputs: list[Any] = [None] * len(requests)
+        for i, request in enumerate(requests):
+            if self._early_cancels.take(request.request_id):  # its client left before it got here
+                outputs[i] = aborted_samples(request, version)
+            else:
+                by_settings.setdefault(request.settings, []).append(i)
         for (n, temperature, max_tokens, top_p, stop), indices in by_settings.items():
             chosen = [requests[i] for i in indices]
             prompts = [r.prompt for r in chosen]
@@ -266,10 +273,46 @@ class Policy(ForgeActor):
                 stop=list(stop) if stop else None,
                 adapter=adapter,
                 seed=None if all(s is None for s in seeds) else seeds,
+                **self._streams_and_tags(chosen),
             )
             for i, completions in zip(indices, sampled):
                 outputs[i] = completions
         return outputs
+
+    def _streams_and_tags(self, requests: list[SampleRequest]) -> dict[str, Any]:
+        """The engine's ``watchers`` and ``tags`` for requests that stream or may be cancelled
+        (none: nothing to pass). The async engine does neither: a streamed request is refused
+        there, and a running one cannot be cancelled (one that has not started still can)."""
+        streamed = [StreamSender(r.stream_to, r.n) if r.stream_to is not None else None for r in requests]
+        tags = [r.request_id for r in requests]
+        if not hasattr(self.engine, "cancel"):
+            if any(w is not None for w in streamed):
+                raise ValueError(
+                    f"streamed requests need policy engine_mode 'batched', not {self.config.engine_mode!r}"
+                )
+            return {}
+        if all(w is None for w in streamed) and all(t is None for t in tags):
+            return {}
+        return {"watchers": streamed, "tags": tags}
+
+    @endpoint
+    async def cancel(self, request_id: str) -> bool:
+        """End the request ``request_id`` (``SampleRequest.request_id``) on this replica: at once if
+        it is generating (it returns the tokens it has, ``finish_reason`` "abort"), or as it
+        arrives. True if it was generating here."""
+        if self.engine is not None and hasattr(self.engine, "cancel") and self.engine.cancel(request_id):
+            return True
+        self._early_cancels.add(request_id)
+        return False
+
+    @endpoint
+    async def engine_counters(self) -> dict[str, int]:
+        """What the engine did since it started (sums): requests, prompt tokens and how many of them
+        the prefix cache held (``computed_prompt_tokens``: the prefill it did), generated tokens,
+        cancels. The batched engine only (zeros for the async one)."""
+        steps = getattr(self.engine, "steps", None)
+        counters = steps.counters if steps is not None else EngineCounters()
+        return {**dataclasses.asdict(counters), "computed_prompt_tokens": counters.computed_prompt_tokens}
 
     @staticmethod
     def unpack_turns(packed: PackedTurns, n: int) -> list[TurnResult]:
@@ -298,12 +341,14 @@ class Policy(ForgeActor):
         stop: list[str] | None = None,
         adapter: Any = None,
         seed: list[int | None] | None = None,
+        **watched: Any,
     ) -> list[list[Completion]]:
         """``n`` samples of each input (text or token ids) at the configured sampling settings
         (or the given ``temperature``/``max_tokens``/``top_p``/``stop``), counted in the batch-size metric
         ``batch_metric`` and ``policy/generate_s``. ``adapter``: a ``ServedAdapter`` to sample
         with (a multi-adapter policy's), instead of the engine's own weights. ``seed``: one per
-        input (``prompt_seeds``); None: the engine's own stream."""
+        input (``prompt_seeds``); None: the engine's own stream. ``watched``: the batched engine's
+        ``watchers`` and ``tags`` (``_streams_and_tags``)."""
         cfg = self.config
         t0 = time.perf_counter()
         named = {} if adapter is None else {"adapter": adapter}
@@ -322,6 +367,7 @@ class Policy(ForgeActor):
                     stop_token_ids=list(cfg.stop_token_ids),
                     seed=seed,
                     **named,
+                    **watched,
                 )
             )
         seconds = time.perf_counter() - t0

@@ -34,6 +34,7 @@ from forge.controller.routing import (
     RoundRobin,
     Router,
     RouteRequest,
+    RouteTrace,
     Sticky,
     register_router,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "RequestTimeout",
     "RoundRobin",
     "RouteRequest",
+    "RouteTrace",
     "Router",
     "Service",
     "ServiceInterface",

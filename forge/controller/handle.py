@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from typing import Any
 
+from forge.controller.routing import RouteTrace
 from forge.controller.service import Service
 
 
@@ -33,6 +34,8 @@ class EndpointHandle:
         key: Hashable = None,
         batch_key: Hashable = None,
         timeout: float | None = None,
+        retry: bool = True,
+        trace: RouteTrace | None = None,
         **kwargs: Any,
     ) -> Coroutine[Any, Any, Any]:
         """One request to one replica chosen by the endpoint's router; await it for the result.
@@ -47,8 +50,12 @@ class EndpointHandle:
         and without that every item shares one queue. A multiplexed endpoint takes
         ``model_id=`` instead of both: the model that must serve the item routes it and is its
         batch queue.
+
+        A request whose replica dies is sent to another (``max_retries``) unless ``retry=False``
+        (then it fails with ``ReplicaFailed``: a caller that already passed part of the answer on).
+        ``trace`` (a ``RouteTrace``) records the replica each try was sent to.
         """
-        return self._service.submit(self._name, args, kwargs, key, batch_key, timeout)
+        return self._service.submit(self._name, args, kwargs, key, batch_key, timeout, retry=retry, trace=trace)
 
     async def route_many(
         self,
@@ -74,9 +81,12 @@ class EndpointHandle:
         )
         return list(await asyncio.gather(*calls))
 
-    async def fanout(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """The same request to every healthy replica; one result per replica."""
-        return await self._service.fanout(self._name, args, kwargs, timeout)
+    async def fanout(
+        self, *args: Any, timeout: float | None = None, by_replica: bool = False, **kwargs: Any
+    ) -> list[Any] | dict[int, Any]:
+        """The same request to every healthy replica; one result per replica (``by_replica``: a
+        dict by replica id)."""
+        return await self._service.fanout(self._name, args, kwargs, timeout, by_replica=by_replica)
 
     def __repr__(self) -> str:
         kind = " (multiplexed)" if self._spec.multiplexed else " (batched)" if self._spec.batched else ""

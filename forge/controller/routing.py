@@ -99,6 +99,17 @@ class RouteRequest:
     queue decides, so no router can tell in advance where its batch forms."""
 
 
+@dataclass
+class RouteTrace:
+    """Where one routed request went, for a caller that reports it (an HTTP server's response
+    header): pass one to ``route(..., trace=)``; the service writes it as it sends each try."""
+
+    replica_id: int | None = None
+    """The replica the last try was sent to; None until the request leaves for one."""
+    tries: int = 0
+    """Tries sent so far (more than one: its replica died and it was sent again)."""
+
+
 class Router(abc.ABC):
     """Chooses a replica for one request. Subclass and pass the class (or an instance)."""
 

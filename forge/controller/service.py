@@ -46,7 +46,7 @@ from forge.controller.multiplex import check_multiplexing
 from forge.controller.options import ActorOptions
 from forge.controller.provisioner import add_fault_listener, remove_fault_listener, replica_gpus
 from forge.controller.replica import Replica, ReplicaSpec, ReplicaState
-from forge.controller.routing import Pins, Router, RouteRequest, make_router
+from forge.controller.routing import Pins, Router, RouteRequest, RouteTrace, make_router
 
 logger = logging.getLogger("forge.service")
 
@@ -71,6 +71,8 @@ class _Request:
     """The replica incarnations that died holding it: a resend avoids them."""
     sent: Call | None = None
     """The try in flight on a replica, until ``_serve`` awaits it."""
+    trace: RouteTrace | None = None
+    """The caller's record of where each try went."""
 
 
 async def _raise(error: BaseException) -> Any:
@@ -349,8 +351,15 @@ class Service:
         key: Hashable,
         batch_key: Hashable,
         timeout: float | None,
+        *,
+        retry: bool = True,
+        trace: RouteTrace | None = None,
     ) -> Coroutine[Any, Any, Any]:
         """Start one request and return the coroutine that waits for its answer.
+
+        ``retry=False``: a request whose replica dies fails with ``ReplicaFailed`` instead of
+        being sent again (a caller that has already passed on part of its answer, a stream).
+        ``trace``: written with the replica of each try as it is sent.
 
         A batched item is queued *now* when a replica can take it at once. Why now: a caller
         that fires a burst (``gather`` of 2,000 ``route`` calls) makes every call before asyncio
@@ -363,6 +372,9 @@ class Service:
         """
         try:
             request = self._request(self.endpoints[endpoint], args, kwargs, key, batch_key, timeout)
+            request.trace = trace
+            if not retry:
+                request.retries = 0
             # Callers already waiting for admission go first: then this one queues behind them.
             if request.spec.batched and not self._stopped and not self._waiting:
                 candidates = self._candidates(request.tried)
@@ -395,7 +407,11 @@ class Service:
     def _send(self, request: _Request, candidates: list[Replica]) -> Call:
         """Route the request among ``candidates`` and send it (a batched item joins its queue)."""
         replica = self.choose(request.route, candidates)
-        return replica.send(request.spec.name, request.args, request.kwargs, request.route.batch_key)
+        call = replica.send(request.spec.name, request.args, request.kwargs, request.route.batch_key)
+        if request.trace is not None:
+            request.trace.replica_id = replica.replica_id
+            request.trace.tries += 1
+        return call
 
     async def _admit(self, request: _Request) -> list[Replica]:
         """Replicas that can take the request now, waiting (bounded) if there are none."""
@@ -483,15 +499,23 @@ class Service:
         return _Request(spec, args, kwargs, RouteRequest(spec.name, key, batch_key), timeout, retries)
 
     async def fanout(
-        self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None
-    ) -> list[Any]:
-        """The same request to every healthy replica; one result per replica, in replica order."""
+        self,
+        endpoint: str,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        *,
+        by_replica: bool = False,
+    ) -> list[Any] | dict[int, Any]:
+        """The same request to every healthy replica; one result per replica, in replica order
+        (``by_replica``: a dict by replica id instead)."""
         request = self._request(self.endpoints[endpoint], args, kwargs, None, None, timeout)
         replicas = self.healthy_replicas()
         if not replicas:
             raise NoHealthyReplica(f"service {self.name} has no healthy replica for fanout of {endpoint!r}")
         calls = [r.send(endpoint, request.args, request.kwargs, request.route.batch_key) for r in replicas]
-        return list(await asyncio.gather(*(c.result(request.timeout) for c in calls)))
+        results = list(await asyncio.gather(*(c.result(request.timeout) for c in calls)))
+        return {r.replica_id: x for r, x in zip(replicas, results)} if by_replica else results
 
     async def retire_model(self, model_id: Hashable, timeout_s: float) -> int:
         """Evict ``model_id`` from every replica that holds it, once its work there is done

@@ -15,6 +15,11 @@ can happen meanwhile. Driving the same loop here, an engine step at a time, does
 Concurrent callers share the engine: whoever steps it delivers every request's final output,
 so a batch that arrives while another is generating joins the running one (vLLM batches them
 at each step). Not thread-safe: one event loop, one thread.
+
+A request may be **watched** (its caller streams it: after each step the watcher sees every
+sample's tokens so far, read from vLLM's own request state, so outputs stay ``FINAL_ONLY``) and
+**cancelled** by the tag its caller gave it (its client went away): it leaves the engine at once
+and finishes with what it had, ``finish_reason`` "abort", so the call it was part of returns.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +37,31 @@ if TYPE_CHECKING:
     from vllm import RequestOutput
     from vllm.v1.engine.llm_engine import LLMEngine
 
-__all__ = ["EngineSteps", "SampleVersions", "StepClock", "UpdateStall"]
+__all__ = ["EngineCounters", "EngineSteps", "SampleVersions", "StepClock", "StepWatcher", "UpdateStall"]
+
+StepWatcher = Callable[[int, Sequence[int], Sequence[float]], None]
+"""Called after an engine step with one sample's index, its token ids so far and their logprobs."""
+
+
+@dataclass
+class EngineCounters:
+    """What the engine has done since it started (sums; a reader takes differences)."""
+
+    requests: int = 0
+    """Requests finished (a request of ``n`` samples counts once)."""
+    prompt_tokens: int = 0
+    """Prompt tokens of those requests."""
+    cached_prompt_tokens: int = 0
+    """Of those, the ones vLLM found in its prefix cache (not computed again)."""
+    generated_tokens: int = 0
+    """Tokens sampled (every sample's)."""
+    cancelled: int = 0
+    """Requests cancelled before they finished (``EngineSteps.cancel``)."""
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        """Prompt tokens the engine computed (prefill): the prompt tokens the cache did not hold."""
+        return self.prompt_tokens - self.cached_prompt_tokens
 
 
 @dataclass
@@ -132,6 +161,11 @@ class EngineSteps:
         self._versions: dict[tuple[str, int], SampleVersions] = {}
         self._live: dict[str, int] = {}  # request id -> its samples (n)
         self._adapter_ids: dict[str, int] = {}  # request id -> the LoRA adapter it runs on (vLLM's id)
+        self._watchers: dict[str, StepWatcher] = {}  # request id -> who sees its tokens after each step
+        self._tagged: dict[Hashable, str] = {}  # the caller's tag -> request id (to cancel it by)
+        self._tags: dict[str, Hashable] = {}
+        self.counters = EngineCounters()
+        """Requests, prompt tokens (and how many the prefix cache held), generated tokens, cancels."""
         self.clock = StepClock()
         """The engine's own step times (each step samples one token of every running sequence)."""
 
@@ -140,15 +174,34 @@ class EngineSteps:
         """Whether any request is in the engine (running or waiting)."""
         return bool(self._live)
 
-    def add(self, inputs: Sequence[Any], params: Any, version: int, lora: Any = None) -> list[str]:
-        """Add one request per input (``params``: one ``SamplingParams`` or one per input); their ids."""
+    def add(
+        self,
+        inputs: Sequence[Any],
+        params: Any,
+        version: int,
+        lora: Any = None,
+        *,
+        watchers: Sequence[StepWatcher | None] | None = None,
+        tags: Sequence[Hashable | None] | None = None,
+    ) -> list[str]:
+        """Add one request per input (``params``: one ``SamplingParams`` or one per input); their ids.
+        ``watchers``: one per input (or None), shown each sample's tokens after every step;
+        ``tags``: one per input (or None), the name ``cancel`` takes (unique among live requests)."""
         per_input = params if isinstance(params, list) else [params] * len(inputs)
+        watchers = watchers if watchers is not None else [None] * len(inputs)
+        tags = tags if tags is not None else [None] * len(inputs)
         ids: list[str] = []
         try:
-            for prompt, sampling in zip(inputs, per_input):
+            for prompt, sampling, watcher, tag in zip(inputs, per_input, watchers, tags, strict=True):
+                if tag is not None and tag in self._tagged:
+                    raise ValueError(f"a request tagged {tag!r} is already in the engine; tags name one request")
                 request_id = f"forge-{next(self._ids)}"
                 self._engine.add_request(request_id, prompt, sampling, lora_request=lora)
                 self._live[request_id] = sampling.n
+                if watcher is not None:
+                    self._watchers[request_id] = watcher
+                if tag is not None:
+                    self._tagged[tag], self._tags[request_id] = request_id, tag
                 if lora is not None:
                     self._adapter_ids[request_id] = lora.lora_int_id
                 for index in range(sampling.n):
@@ -173,13 +226,69 @@ class EngineSteps:
             versions.marks.append((counts.get(key, 0), version))
 
     def step(self) -> None:
-        """One engine step; the outputs of requests it finished are kept for their callers."""
+        """One engine step; the outputs of requests it finished are kept for their callers, and
+        the watched requests' watchers see their tokens so far."""
         start = time.monotonic()
         for out in self._engine.step():
             if out.finished:
                 self._finished[out.request_id] = out
         end = time.monotonic()
         self.clock.stepping(start, end)
+        if self._watchers:
+            self._show_progress()
+
+    def cancel(self, tag: Hashable) -> bool:
+        """End the live request tagged ``tag`` now: vLLM drops it, and it finishes with the tokens
+        it had (``finish_reason`` "abort"). False if no unfinished request has that tag."""
+        request_id = self._tagged.get(tag)
+        if request_id is None or request_id in self._finished:
+            return False
+        self._finished[request_id] = self._partial_output(request_id)
+        self._engine.abort_request([request_id])
+        self.counters.cancelled += 1
+        return True
+
+    def _show_progress(self) -> None:
+        for state in list(self._engine.output_processor.request_states.values()):
+            watcher = self._watchers.get(state.external_req_id)
+            if watcher is not None and state.request_index is not None:
+                watcher(state.request_index, *_tokens_so_far(state))
+
+    def _partial_output(self, request_id: str) -> Any:
+        """A finished ``RequestOutput`` of what the request ``request_id`` has sampled so far (a
+        sample that already ended, or never started, has no tokens)."""
+        from vllm.logprobs import FlatLogprobs
+        from vllm.outputs import CompletionOutput, RequestOutput
+
+        samples: dict[int, tuple[list[int], list[float]]] = {}
+        prompt_ids: list[int] = []
+        for state in self._engine.output_processor.request_states.values():
+            if state.external_req_id == request_id:
+                samples[state.request_index or 0] = _tokens_so_far(state)
+                prompt_ids = list(state.prompt_token_ids or ())
+        outputs = []
+        for index in range(self._live.get(request_id, 1)):
+            token_ids, logprobs = samples.get(index, ([], []))
+            k = len(logprobs)  # one logprob per sampled token (logprobs=0), as vLLM's own outputs have them
+            flat = FlatLogprobs(
+                start_indices=list(range(k)),
+                end_indices=list(range(1, k + 1)),
+                token_ids=token_ids[:k],
+                logprobs=logprobs,
+                ranks=[None] * k,
+                decoded_tokens=[None] * k,
+            )
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text="",
+                    token_ids=token_ids[:k],
+                    cumulative_logprob=None,
+                    logprobs=flat,
+                    finish_reason="abort",
+                )
+            )
+        return RequestOutput(request_id, None, prompt_ids, None, outputs, finished=True)
 
     def run(self, ids: list[str]) -> list[tuple[RequestOutput, list[SampleVersions]]]:
         """Step until the requests ``ids`` finish (other callers' requests step along)."""
@@ -216,9 +325,14 @@ class EngineSteps:
     def _take(self, ids: list[str]) -> list[tuple[RequestOutput, list[SampleVersions]]]:
         """Each request's final output and, per sample (by ``index``), when its version changed."""
         out = []
+        counters = self.counters
         for request_id in ids:
             final = self._finished[request_id]
             samples = sorted(final.outputs, key=lambda c: c.index)
+            counters.requests += 1
+            counters.prompt_tokens += len(final.prompt_token_ids or ())
+            counters.cached_prompt_tokens += final.num_cached_tokens or 0
+            counters.generated_tokens += sum(len(s.token_ids) for s in samples)
             versions = [self._versions[(request_id, s.index)] for s in samples]
             out.append((final, versions))
         self._forget(ids)
@@ -229,5 +343,18 @@ class EngineSteps:
             n = self._live.pop(request_id, 0)
             self._adapter_ids.pop(request_id, None)
             self._finished.pop(request_id, None)
+            self._watchers.pop(request_id, None)
+            tag = self._tags.pop(request_id, None)
+            if tag is not None:
+                self._tagged.pop(tag, None)
             for index in range(n):
                 self._versions.pop((request_id, index), None)
+
+
+def _tokens_so_far(state: Any) -> tuple[list[int], list[float]]:
+    """One live sample's token ids and their logprobs (vLLM's flat logprobs: one per token), from
+    its request state in vLLM's output processor."""
+    token_ids = list(state.detokenizer.output_token_ids)
+    flat = state.logprobs_processor.logprobs
+    logprobs = list(flat.logprobs[: len(token_ids)]) if flat is not None else []
+    return token_ids, logprobs

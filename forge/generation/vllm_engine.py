@@ -30,12 +30,12 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from forge.generation.engine_steps import EngineSteps, SampleVersions
+from forge.generation.engine_steps import EngineSteps, SampleVersions, StepWatcher
 from forge.generation.lora import AdapterSlots, ServedAdapter, check_serves_lora, lora_engine_kwargs
 from forge.generation.module_scan import without_context_proxies
 from forge.generation.vllm_io import (
@@ -216,12 +216,30 @@ class VllmEngine:
         stop_token_ids: list[int] | None = None,
         seed: int | list[int] | None = None,
         adapter: ServedAdapter | None = None,
+        watchers: Sequence[StepWatcher | None] | None = None,
+        tags: Sequence[Hashable | None] | None = None,
     ) -> list[list[Completion]]:
         """``generate``, yielding to the event loop after every engine step: an
         ``update_weights`` from another task lands between two steps, and the sequences in
         flight continue on the new weights, each token stamped with the version that sampled it
-        (``Completion.token_versions``). Calls made meanwhile join the running batch."""
-        ids = self._add(prompts, n, temperature, max_tokens, top_p, stop, stop_token_ids, seed, adapter)
+        (``Completion.token_versions``). Calls made meanwhile join the running batch.
+
+        ``watchers`` (one per prompt, or None) see each sample's tokens after every step (a
+        streamed request); ``tags`` (one per prompt, or None) name a prompt's request for
+        ``cancel``."""
+        ids = self._add(
+            prompts,
+            n,
+            temperature,
+            max_tokens,
+            top_p,
+            stop,
+            stop_token_ids,
+            seed,
+            adapter,
+            watchers=watchers,
+            tags=tags,
+        )
         try:
             return self._completions(await self.steps.run_async(ids), stop)
         finally:
@@ -238,6 +256,9 @@ class VllmEngine:
         stop_token_ids: list[int] | None,
         seed: int | list[int] | None,
         adapter: ServedAdapter | None,
+        *,
+        watchers: Sequence[StepWatcher | None] | None = None,
+        tags: Sequence[Hashable | None] | None = None,
     ) -> list[str]:
         """The call's requests, added to the engine (none for no prompts; the settings are checked either way)."""
         params = sampling_params(len(prompts), n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)
@@ -247,7 +268,12 @@ class VllmEngine:
         lora, version = (
             (self._adapters.current, self._version) if adapter is None else (adapter.request, adapter.version)
         )
-        return self.steps.add(inputs, params, version, lora)
+        return self.steps.add(inputs, params, version, lora, watchers=watchers, tags=tags)
+
+    def cancel(self, tag: Hashable) -> bool:
+        """End the request tagged ``tag`` (``generate_async``'s ``tags``) now, with the tokens it
+        has (``finish_reason`` "abort"); False if no unfinished request has that tag."""
+        return self.steps.cancel(tag)
 
     def _completions(
         self, finished: list[tuple[Any, list[SampleVersions]]], stop: list[str] | None

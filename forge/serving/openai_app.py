@@ -1,9 +1,10 @@
 """An OpenAI-compatible HTTP front door to a forge policy service.
 
 ``make_app(policy, tokenizer, settings)`` is a FastAPI app with ``GET /v1/models``,
-``POST /v1/completions``, ``POST /v1/chat/completions`` (the tokenizer's chat template) and
-``GET /health``. Request bodies are parsed by vLLM's own OpenAI protocol models, so a field's bad
-value is refused as vLLM's server refuses it.
+``POST /v1/completions``, ``POST /v1/chat/completions`` (the tokenizer's chat template),
+``GET /health`` and ``GET /metrics`` (Prometheus text: ``forge.serving.metrics``). Request bodies
+are parsed by vLLM's own OpenAI protocol models, so a field's bad value is refused as vLLM's
+server refuses it.
 
 Each HTTP request becomes one ``SampleRequest`` routed to the policy service's ``sample``
 endpoint: the service prebatches concurrent requests of equal settings into one engine call, and
@@ -12,34 +13,51 @@ that every turn of a conversation meets the replica that holds its prefix (``key
 prompt goes to the engine as ids: a session's turn that continues its last one keeps that turn's
 ids and the sampled ones exactly (``forge.serving.sessions``), so the prefix cache holds and the
 model's tokens are never re-encoded. A prompt that does not fit the model is refused here, before
-it could fail the batch it would join.
+it could fail the batch it would join. The response's ``x-forge-replica`` header names the
+replica that served it. ``stream: true`` answers with server-sent events as the replica samples
+(``forge.serving.streaming``). A client that disconnects before its answer cancels its request
+on the replicas (``Policy.cancel``).
 
 Extensions, as vLLM names them: ``return_token_ids`` adds ``prompt_token_ids`` and each choice's
 ``token_ids``; every choice carries ``policy_version``, the weights version that sampled its oldest
-token. Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 for
-a bad value (naming the field), 401 for a wrong or missing API key, 404 for an unknown model, 429
-with ``Retry-After`` when the server or the service is full, 503 when no replica is up (or every
-replica that held the request died: the service resends a request whose replica died first), 504
-past ``request_timeout_s``.
+token (``forge.serving.shapes``). Errors have OpenAI's shape (``{"error": {"message", "type",
+"param", "code"}}``): 400 for a bad value (naming the field), 401 for a wrong or missing API key,
+404 for an unknown model, 429 with ``Retry-After`` when the server or the service is full, 503
+when no replica is up (or every replica that held the request died: the service resends a
+request whose replica died first; a streamed one, whose client has part of its answer, ends with
+an error event instead), 504 past ``request_timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import dataclasses
+import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from forge.describe import describe
 from forge.generation.vllm_io import SamplingError, check_sampling
-from forge.serving.recording import RecordedTurn, Recorder
+from forge.serving.metrics import FrontCounts, prometheus_text
+from forge.serving.recording import RecordedTurn, Recorder, SessionRecord
 from forge.serving.sessions import SessionTurns
+from forge.serving.shapes import ChatShape, CompletionShape, ResponseShape
+from forge.serving.streaming import first_event, stream_answer, until_disconnected
 from forge.types import PackedGroup, Prompt, SampleRequest
 
+if TYPE_CHECKING:
+    from forge.controller import RouteTrace
+
 __all__ = ["FrontSettings", "OpenAIError", "make_app"]
+
+logger = logging.getLogger("forge.serving")
+
+CANCEL_TIMEOUT_S = 10.0
+"""How long the replicas get to confirm a cancel (a dead one never does)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,23 @@ class FrontSettings:
     """Requests served at once; one more gets 429 at once."""
     request_timeout_s: float = 600.0
     """Longest a request may wait for the policy service before it gets 504."""
+    streaming: bool = True
+    """Whether ``stream: true`` is served (the policy's batched engine streams; the async one does not)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One request, checked and ready to route."""
+
+    text: str
+    request: SampleRequest
+    key: str
+    """What it routes by: the session, else the body's ``user``, else the prompt."""
+    session: str | None
+    record: SessionRecord | None
+    """A trained session's record, which keeps every completion it was served."""
+    continued_from: int | None
+    """How many of its prompt ids continue the session's last turn exactly (None: tokenised whole)."""
 
 
 class OpenAIError(Exception):
@@ -116,9 +151,12 @@ class PolicyFront:
         self.settings = settings
         self.sessions = SessionTurns(tokenizer)
         self.recorder = recorder
-        self._serving = 0
+        self.serving = 0
+        """Requests waiting for the policy service now."""
         self.served = 0
         """Requests answered with completions so far."""
+        self.counts = FrontCounts()
+        self._cancels: set[asyncio.Task] = set()
 
     def check_key(self, request: Request) -> None:
         key = self.settings.api_key
@@ -142,10 +180,8 @@ class PolicyFront:
                 code="model_not_found",
             )
 
-    async def completion(self, body: Any, session: str | None, sent: frozenset[str] = frozenset()) -> dict[str, Any]:
+    def completion(self, body: Any, session: str | None, sent: frozenset[str] = frozenset()) -> tuple[Prepared, Any]:
         """``/v1/completions``: one prompt string; ``sent``: the fields the client set."""
-        from vllm.entrypoints.openai.completion.protocol import CompletionResponse
-
         self.check_model(body.model)
         prompt = body.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -155,19 +191,11 @@ class PolicyFront:
                 400, "prompt must be one string (token-id and batched prompts are not served)", param="prompt"
             )
         max_tokens = body.max_tokens if "max_tokens" in sent else None  # vLLM's class would say 16
-        group, prompt_ids = await self._sample(prompt, body, max_tokens, session)
-        choices = []
-        for index, completion in enumerate(group.completions):
-            choice = {"index": index, "text": completion.text, "finish_reason": completion.finish_reason}
-            if body.logprobs is not None:
-                choice["logprobs"] = self._completion_logprobs(completion, body.logprobs)
-            choices.append(self._extended(choice, completion, body))
-        return self._response(CompletionResponse, "cmpl", choices, prompt_ids, group, body)
+        prepared = self.prepare(prompt, body, max_tokens, session, streamed=bool(body.stream))
+        return prepared, CompletionShape(body, self.tokenizer, self.settings.model_name)
 
-    async def chat(self, body: Any, session: str | None) -> dict[str, Any]:
+    def chat(self, body: Any, session: str | None) -> tuple[Prepared, Any]:
         """``/v1/chat/completions``: the messages through the tokenizer's chat template."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
-
         self.check_model(body.model)
         messages = []
         for i, message in enumerate(body.messages):
@@ -179,49 +207,51 @@ class PolicyFront:
             raise OpenAIError(400, f"model {self.settings.model_name!r} has no chat template; use /v1/completions")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        group, prompt_ids = await self._sample(text, body, max_tokens, session)
-        choices = []
-        for index, completion in enumerate(group.completions):
-            choice = {
-                "index": index,
-                "message": {"role": "assistant", "content": completion.text},
-                "finish_reason": completion.finish_reason,
-            }
-            if body.logprobs:
-                choice["logprobs"] = {"content": self._chat_logprobs(completion)}
-            choices.append(self._extended(choice, completion, body))
-        return self._response(ChatCompletionResponse, "chatcmpl", choices, prompt_ids, group, body)
+        prepared = self.prepare(text, body, max_tokens, session, streamed=bool(body.stream))
+        return prepared, ChatShape(body, self.tokenizer, self.settings.model_name)
 
-    def _response(
-        self, cls: Any, prefix: str, choices: list[dict[str, Any]], prompt_ids: list[int], group: PackedGroup, body: Any
-    ) -> dict[str, Any]:
-        """The response body, checked by vLLM's protocol class ``cls``; the choices keep forge's
-        extensions (``policy_version``, ``token_ids``), and ``return_token_ids`` adds the prompt's."""
-        response = cls(
-            id=f"{prefix}-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.settings.model_name,
-            choices=choices,
-            usage=self._usage(prompt_ids, group),
-        ).model_dump(exclude_none=True)
-        if getattr(body, "return_token_ids", None):
-            response["prompt_token_ids"] = prompt_ids
-        response["choices"] = choices
-        return response
+    async def answer(self, prepared: Prepared, shape: ResponseShape, http: Request) -> Response:
+        """The whole response, or (``stream: true``) the stream of it; either way named with the
+        replica that served it (``x-forge-replica``), and cancelled if the client leaves first."""
+        from forge.controller import RouteTrace  # monarch is imported once a request is served, not with this module
 
-    async def _sample(
-        self, text: str, body: Any, max_tokens: int | None, session: str | None
-    ) -> tuple[PackedGroup, list[int]]:
-        from forge.controller import NoHealthyReplica, Overloaded, ReplicaFailed, RequestTimeout
-        from forge.describe import describe
+        trace = RouteTrace()
+        if getattr(shape.body, "stream", False):
+            return await self._stream(prepared, shape, trace)
+        group = await until_disconnected(self.sample(prepared, trace), http)
+        prompt_ids = self.finish(prepared, group)
+        return JSONResponse(shape.response(group, prompt_ids), headers=_replica_header(trace))
 
-        if getattr(body, "stream", False):
-            raise OpenAIError(400, "stream: true is not served yet; ask without it", param="stream")
+    async def _stream(self, prepared: Prepared, shape: ResponseShape, trace: RouteTrace) -> Response:
+        """Start the request with a port for its tokens; answer an error before the first token as
+        any request's, then stream (``forge.serving.streaming``)."""
+        from monarch.actor import Channel
+
+        port, receiver = Channel.open()
+        prepared = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, stream_to=port))
+        result = asyncio.ensure_future(self.sample(prepared, trace, retry=False))
+        try:
+            first = await first_event(receiver, result)
+        except BaseException:
+            result.cancel()
+            raise
+        events = stream_answer(self, prepared, shape, receiver, result, first)
+        return StreamingResponse(events, media_type="text/event-stream", headers=_replica_header(trace))
+
+    def prepare(
+        self, text: str, body: Any, max_tokens: int | None, session: str | None, *, streamed: bool = False
+    ) -> Prepared:
+        """The request for ``text`` at the body's settings, checked before anything is sent: a bad
+        setting or a prompt that does not fit is a 400 naming it, a full server a 429."""
         top = getattr(body, "top_logprobs", None) or 0  # chat
         alternatives = body.logprobs if type(body.logprobs) is int else 0  # completions (chat's is a bool)
         if top > 0 or alternatives > 1:
             raise OpenAIError(
                 400, "only the sampled tokens' logprobs are served (logprobs <= 1, no top_logprobs)", param="logprobs"
+            )
+        if streamed and not self.settings.streaming:
+            raise OpenAIError(
+                400, "stream: true needs the policy's batched engine (engine_mode: batched)", param="stream"
             )
         n = body.n if body.n is not None else 1
         max_tokens = self.settings.default_max_tokens if max_tokens is None else max_tokens
@@ -249,7 +279,7 @@ class PolicyFront:
                 param="max_tokens" if len(prompt_ids) < limit else "prompt",
                 code="context_length_exceeded",
             )
-        if self._serving >= self.settings.max_concurrent:
+        if self.serving >= self.settings.max_concurrent:
             raise OpenAIError(
                 429,
                 f"the server serves {self.settings.max_concurrent} requests at once; try again",
@@ -265,73 +295,78 @@ class PolicyFront:
             stop=stop,
             seed=body.seed,
             prompt_ids=tuple(prompt_ids),
+            request_id=uuid.uuid4().hex,
         )
         key = session or getattr(body, "user", None) or text
-        self._serving += 1
+        return Prepared(text, request, key, session, record, turn.continued_from)
+
+    async def sample(self, prepared: Prepared, trace: RouteTrace, *, retry: bool = True) -> PackedGroup:
+        """The prepared request's group from the policy service; a failure as an ``OpenAIError``.
+        A caller cancelled meanwhile (its client left) cancels the request on the replicas too."""
+        self.serving += 1
         try:
-            try:
-                group = await asyncio.wait_for(
-                    self.policy.sample.route(request, key=key), self.settings.request_timeout_s
-                )
-            except Exception as exc:
-                if record is not None:
-                    record.failure = exc
-                raise
-        except Overloaded as exc:
-            raise OpenAIError(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"}) from exc
-        except NoHealthyReplica as exc:
-            raise OpenAIError(503, str(exc), "service_unavailable", headers={"Retry-After": "5"}) from exc
-        except (asyncio.TimeoutError, RequestTimeout) as exc:
-            raise OpenAIError(
-                504, f"the policy did not answer within {self.settings.request_timeout_s:g} s", "timeout"
-            ) from exc
-        except ReplicaFailed as exc:  # it died holding the request, and every resend did too
-            raise OpenAIError(503, describe(exc), "service_unavailable", headers={"Retry-After": "5"}) from exc
-        except Exception as exc:  # the engine refused the call: say why, in OpenAI's shape
-            raise OpenAIError(500, describe(exc), "server_error") from exc
+            return await asyncio.wait_for(
+                self.policy.sample.route(prepared.request, key=prepared.key, retry=retry, trace=trace),
+                self.settings.request_timeout_s,
+            )
+        except asyncio.CancelledError:
+            self.cancel_on_replicas(prepared)
+            raise
+        except Exception as exc:
+            if prepared.record is not None:
+                prepared.record.failure = exc
+            raise self.as_openai_error(exc) from exc
         finally:
-            self._serving -= 1
+            self.serving -= 1
+
+    def finish(self, prepared: Prepared, group: PackedGroup) -> list[int]:
+        """Count the request served, keep its session's turn (and its record); the prompt's ids as
+        the engine read them."""
         self.served += 1
         prompt_ids = group.prompt_ids.tolist()  # what the engine sampled from: the ids sent, as it read them
-        if session is not None and len(group.completions) == 1:
-            self.sessions.remember(session, text, prompt_ids, group.completions[0])
-        if record is not None:
-            record.turns.append(RecordedTurn(prompt_ids, turn.continued_from, group.completions[0]))
-        return group, prompt_ids
+        completions = group.completions
+        if prepared.session is not None and len(completions) == 1 and completions[0].finish_reason != "abort":
+            self.sessions.remember(prepared.session, prepared.text, prompt_ids, completions[0])
+        if prepared.record is not None:
+            prepared.record.turns.append(RecordedTurn(prompt_ids, prepared.continued_from, completions[0]))
+        self.counts.served(group, len(prompt_ids))
+        return prompt_ids
 
-    def _extended(self, choice: dict[str, Any], completion: Any, body: Any) -> dict[str, Any]:
-        choice["policy_version"] = int(completion.policy_version)
-        if getattr(body, "return_token_ids", None):
-            choice["token_ids"] = completion.token_ids.tolist()
-        return choice
+    def cancel_on_replicas(self, prepared: Prepared) -> None:
+        """Ask every replica to drop the request (its client went away); in the background, so a
+        cancelled caller does not wait for it."""
+        self.counts.cancelled += 1
+        task = asyncio.get_running_loop().create_task(self._cancel(prepared.request.request_id))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
-    def _tokens(self, completion: Any) -> list[str]:
-        return [self.tokenizer.decode([t]) for t in completion.token_ids.tolist()]
+    async def _cancel(self, request_id: str | None) -> None:
+        try:
+            await self.policy.cancel.fanout(request_id, timeout=CANCEL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a replica that is gone holds nothing to cancel
+            logger.info("cancelling request %s on the policy replicas failed: %s", request_id, describe(exc))
 
-    def _completion_logprobs(self, completion: Any, k: int) -> dict[str, Any]:
-        tokens = self._tokens(completion)
-        logprobs = [float(x) for x in completion.logprobs.tolist()]
-        offsets, at = [], 0
-        for token in tokens:
-            offsets.append(at)
-            at += len(token)
-        top = [{t: lp} for t, lp in zip(tokens, logprobs)] if k == 1 else None
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+    def as_openai_error(self, exc: BaseException) -> OpenAIError:
+        """The service's failure of a request, as the client is answered."""
+        from forge.controller import NoHealthyReplica, Overloaded, ReplicaFailed, RequestTimeout
 
-    def _chat_logprobs(self, completion: Any) -> list[dict[str, Any]]:
-        return [
-            {"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(self._tokens(completion), completion.logprobs.tolist())
-        ]
+        if isinstance(exc, OpenAIError):
+            return exc
+        if isinstance(exc, Overloaded):
+            return OpenAIError(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
+        if isinstance(exc, NoHealthyReplica):
+            return OpenAIError(503, str(exc), "service_unavailable", headers={"Retry-After": "5"})
+        if isinstance(exc, (asyncio.TimeoutError, RequestTimeout)):
+            return OpenAIError(
+                504, f"the policy did not answer within {self.settings.request_timeout_s:g} s", "timeout"
+            )
+        if isinstance(exc, ReplicaFailed):  # it died holding the request, and every resend did too
+            return OpenAIError(503, describe(exc), "service_unavailable", headers={"Retry-After": "5"})
+        return OpenAIError(500, describe(exc), "server_error")  # the engine refused the call: say why
 
-    @staticmethod
-    def _usage(prompt_ids: list[int], group: PackedGroup) -> dict[str, int]:
-        completion_tokens = sum(int(c.token_ids.numel()) for c in group.completions)
-        return {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt_ids) + completion_tokens,
-        }
+
+def _replica_header(trace: RouteTrace) -> dict[str, str]:
+    return {} if trace.replica_id is None else {"x-forge-replica": str(trace.replica_id)}
 
 
 def make_app(policy: Any, tokenizer: Any, settings: FrontSettings, recorder: Recorder | None = None) -> FastAPI:
@@ -344,17 +379,12 @@ def make_app(policy: Any, tokenizer: Any, settings: FrontSettings, recorder: Rec
     app = FastAPI(title="forge", docs_url=None, redoc_url=None)
     app.state.front = front
 
-    @app.middleware("http")
-    async def _api_key(request: Request, call_next: Any) -> Any:
-        if request.url.path.startswith("/v1/"):  # before the body is read: a wrong key is 401, whatever it sent
-            try:
-                front.check_key(request)
-            except OpenAIError as exc:
-                return exc.response()
-        return await call_next(request)
+    def api_key(request: Request) -> None:  # before the body is read: a wrong key is 401, whatever it sent
+        front.check_key(request)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        front.counts.answered(exc.status)
         return exc.response()
 
     @app.get("/health")
@@ -364,19 +394,26 @@ def make_app(policy: Any, tokenizer: Any, settings: FrontSettings, recorder: Rec
             raise OpenAIError(503, "no policy replica is healthy", "service_unavailable")
         return {"status": "ok", "healthy_replicas": healthy}
 
-    @app.get("/v1/models")
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = await prometheus_text(policy, front.counts, front.serving)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(api_key)])
     async def models() -> dict[str, Any]:
         card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "forge"}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> dict[str, Any]:
+    @app.post("/v1/completions", dependencies=[Depends(api_key)])
+    async def completions(request: Request) -> Response:
         body, sent = await parse_body(request, CompletionRequest)
-        return await front.completion(body, request.headers.get("x-session-id"), frozenset(sent))
+        prepared, shape = front.completion(body, request.headers.get("x-session-id"), frozenset(sent))
+        return await front.answer(prepared, shape, request)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> dict[str, Any]:
+    @app.post("/v1/chat/completions", dependencies=[Depends(api_key)])
+    async def chat_completions(request: Request) -> Response:
         body, _ = await parse_body(request, ChatCompletionRequest)
-        return await front.chat(body, request.headers.get("x-session-id"))
+        prepared, shape = front.chat(body, request.headers.get("x-session-id"))
+        return await front.answer(prepared, shape, request)
 
     return app

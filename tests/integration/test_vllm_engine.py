@@ -9,6 +9,7 @@ afterwards (the ``engine`` fixture).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -493,3 +494,80 @@ async def test_a_policy_replica_takes_an_update_while_it_generates_as_its_mode_s
             assert stall["hold_s"] == pytest.approx(stall["stall_s"], abs=0.05), stall
     finally:
         await policy.shutdown()
+
+
+async def test_a_watched_request_shows_each_samples_tokens_as_they_come_and_they_add_up_to_its_result(
+    batched_engine: VllmEngine,
+) -> None:
+    """The watcher of a streamed prompt sees its tokens grow step by step (more than one look
+    before the end), always a prefix of what the call returns, with the same logprobs."""
+    seen: dict[int, list[tuple[list[int], list[float]]]] = {0: [], 1: []}
+
+    def watch(index: int, token_ids, logprobs) -> None:
+        seen[index].append((list(token_ids), list(logprobs)))
+
+    (group, other) = await batched_engine.generate_async(
+        PROMPTS[:2], n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=[3, 4], watchers=[watch, None]
+    )
+    for index, completion in enumerate(group):
+        final_ids, final_lps = completion.token_ids.tolist(), completion.logprobs.tolist()
+        looks = seen[index]
+        assert len(looks) >= 2 or len(final_ids) <= 2, (index, looks)
+        lengths = [len(ids) for ids, _ in looks]
+        assert lengths == sorted(lengths) and lengths[-1] <= len(final_ids)
+        for ids, lps in looks:
+            assert ids == final_ids[: len(ids)] and lps == pytest.approx(final_lps[: len(lps)], abs=0)
+    assert len(other) == 2
+
+
+async def test_a_cancelled_request_ends_at_once_with_its_tokens_so_far_and_the_rest_of_its_call_goes_on(
+    batched_engine: VllmEngine,
+) -> None:
+    """Cancelled by its tag after a few steps, a prompt's samples finish as "abort" with the tokens
+    they had (a prefix of the uncancelled samples of the same seed), while the other prompt of the
+    call runs to its end exactly as alone; the engine holds nothing after, and counts what it did."""
+    steps = batched_engine.steps
+    long = 200
+    alone = batched_engine.generate(PROMPTS[:2], n=1, temperature=1.0, max_tokens=long, seed=[5, 6])
+    before = dataclasses.replace(steps.counters)
+    start = steps.clock.steps
+
+    async def cancel_soon() -> bool:
+        while steps.clock.steps - start < 4:
+            await asyncio.sleep(0)
+        return batched_engine.cancel("tagged")
+
+    (cut, kept), cancelled = await asyncio.gather(
+        batched_engine.generate_async(
+            PROMPTS[:2], n=1, temperature=1.0, max_tokens=long, seed=[5, 6], tags=["tagged", None]
+        ),
+        cancel_soon(),
+    )
+    assert cancelled and not batched_engine.cancel("tagged")  # gone once done
+    (cut,), (kept,) = cut, kept
+    full_cut = alone[0][0].token_ids.tolist()
+    assert cut.finish_reason == "abort" and 1 <= cut.token_ids.numel() < len(full_cut)
+    assert cut.token_ids.tolist() == full_cut[: cut.token_ids.numel()]
+    assert cut.logprobs.numel() == cut.token_ids.numel()
+    assert kept.token_ids.tolist() == alone[1][0].token_ids.tolist() and kept.finish_reason != "abort"
+    assert not steps.busy
+    after = steps.counters
+    assert after.cancelled == before.cancelled + 1 and after.requests == before.requests + 2
+    assert after.generated_tokens - before.generated_tokens == cut.token_ids.numel() + kept.token_ids.numel()
+    assert after.prompt_tokens - before.prompt_tokens == sum(len(g[0].prompt_ids) for g in alone)
+
+
+async def test_a_repeated_prompt_is_counted_as_cached_prompt_tokens(batched_engine: VllmEngine) -> None:
+    """The long prompt twice in a row: the second time its full blocks come from the prefix cache,
+    and the counters say so (computed prompt tokens fall by at least a block)."""
+    steps = batched_engine.steps
+    prompt = "9*9=" * 40  # 160 tokens: several full KV blocks
+    before = dataclasses.replace(steps.counters)
+    batched_engine.generate([prompt], n=1, temperature=0.0, max_tokens=2)
+    first = dataclasses.replace(steps.counters)
+    batched_engine.generate([prompt], n=1, temperature=0.0, max_tokens=2)
+    second = steps.counters
+    computed_first = first.computed_prompt_tokens - before.computed_prompt_tokens
+    computed_second = second.computed_prompt_tokens - first.computed_prompt_tokens
+    assert second.cached_prompt_tokens - first.cached_prompt_tokens >= 32
+    assert computed_second <= computed_first - 32, (computed_first, computed_second)

@@ -25,6 +25,7 @@ def test_binding_beyond_loopback_without_an_api_key_is_refused_naming_the_host()
         ("server.max_concurrent=0", "server.max_concurrent must be >= 1, got 0"),
         ("server.request_timeout_s=0", "server.request_timeout_s must be > 0"),
         ("server.api_key=''", "server.api_key is empty"),
+        ("server.router=nearest", "server.router: unknown router 'nearest'; expected one of"),
     ],
 )
 def test_bad_server_settings_name_the_setting(override, message):

@@ -28,6 +28,7 @@ from forge.controller import (
     ReplicaFailed,
     ReplicaState,
     RequestTimeout,
+    RouteTrace,
     endpoint,
 )
 from forge.controller.errors import UnsendableArgument
@@ -172,6 +173,32 @@ async def test_non_idempotent_endpoint_is_not_retried():
         with pytest.raises(ReplicaFailed, match="process (failed|died)"):
             await bounded(call, "ReplicaFailed for a retry=False request whose replica died", DEATH_NOTICED_S)
         assert svc.metrics()["retried"] == 0
+    finally:
+        await svc.shutdown()
+
+
+@pytest.mark.parametrize("retry", [True, False])
+async def test_a_call_routed_with_retry_false_is_not_resent_and_its_trace_names_each_try(retry: bool):
+    """``route(..., retry=False)`` on an endpoint that may be retried: when its replica dies the
+    caller gets ``ReplicaFailed`` (a stream whose client has part of the answer); with the default
+    the survivor answers. Either way the trace names the replica of each try as it was sent."""
+    svc = await Worker.options(num_replicas=2, restart_backoff_s=0.2).as_service()
+    try:
+        pids = [await r.call("pid", (), {}, 10) for r in svc.service.replicas]
+        trace = RouteTrace()
+        call = asyncio.ensure_future(svc.slow.route(7, retry=retry, trace=trace))
+        await until(lambda: any(r.in_flight for r in svc.service.replicas), "the request to reach a replica")
+        (target,) = [r for r in svc.service.replicas if r.in_flight]
+        assert (trace.replica_id, trace.tries) == (target.replica_id, 1)
+        os.kill(pids[target.replica_id], signal.SIGKILL)
+        if retry:
+            assert await bounded(call, "the survivor's answer to the resent request", DEATH_NOTICED_S + 5) == 7
+            assert trace.tries == 2 and trace.replica_id != target.replica_id
+        else:
+            with pytest.raises(ReplicaFailed):
+                await bounded(call, "ReplicaFailed for a request routed with retry=False", DEATH_NOTICED_S)
+            assert (trace.replica_id, trace.tries) == (target.replica_id, 1)
+            assert svc.metrics()["retried"] == 0
     finally:
         await svc.shutdown()
 
