@@ -14,7 +14,8 @@ Three parts, one after the other, nothing else running:
   vLLM's; goal >= 0.9) and ``forge_vs_vllm_serve_p99`` (forge's p99 latency over vLLM's; goal
   <= 1.2), with each server's own figures under ``serve``.
 - ``sessions``: forge's server on 2 policy replicas, ``--sessions`` concurrent multi-turn chats
-  of ``--turns`` turns each (the whole history sent every turn, as a chat client does, with its
+  of ``--turns`` turns each, replies of up to ``--session-max-tokens`` tokens (the whole history
+  sent every turn, as a chat client does, with its
   ``X-Session-ID``), once with ``server.router=key_affinity`` (every turn of a session on the
   replica holding its prefix) and once with ``round_robin``. Key
   ``session_vs_round_robin_prefill``: the prompt tokens the engines computed (prefill: prompt
@@ -227,7 +228,7 @@ def sessions_part(args: argparse.Namespace, folder: Path) -> dict:
         overrides = ["policy.num_replicas=2", "policy.max_model_len=1024", f"server.router={router}", *args.forge_set]
         proc, url, _ = start_forge(folder / f"sessions-{router}", overrides)
         try:
-            runs[router] = asyncio.run(chat_sessions(url, args.sessions, args.turns, args.max_tokens))
+            runs[router] = asyncio.run(chat_sessions(url, args.sessions, args.turns, args.session_max_tokens))
         finally:
             stop(proc)
         print(f"  {router}: {runs[router]}", flush=True)
@@ -278,6 +279,7 @@ def main() -> None:
     parser.add_argument("--forge-set", nargs="*", default=[], help="overrides of forge's server config")
     parser.add_argument("--sessions", type=int, default=32, help="concurrent chats of the sessions part")
     parser.add_argument("--turns", type=int, default=8, help="turns of each chat of the sessions part")
+    parser.add_argument("--session-max-tokens", type=int, default=64, help="max_tokens of each chat turn")
     parser.add_argument("--steps", type=int, default=80, help="GRPO steps of each agent-part run")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
