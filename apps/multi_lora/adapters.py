@@ -9,58 +9,14 @@ is the policy service as one run's rollouts see it: every request names the run'
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from typing import Any
 
 from apps.common.roles import RoleFailed, call_role
-from apps.common.weights import PolicyWeights, ServedWeights
+from apps.common.shared_adapters import SharedAdapters
+from apps.common.weights import PolicyWeights
 
 __all__ = ["AdapterView", "AdapterWeights", "SharedAdapters"]
-
-logger = logging.getLogger("forge.multi_lora")
-
-
-class SharedAdapters:
-    """Every live run's newest adapter on one policy service, and their arrival and departure.
-
-    Made, it is the service's resync hook (``policy.set_resync``): the record and the hook that
-    replays it cannot be set up apart."""
-
-    def __init__(self, policy: Any, timeout_s: float) -> None:
-        self.policy = policy
-        self.timeout_s = timeout_s
-        """Longest one call to the policy replicas may take (a fanout, an eviction)."""
-        self.served: dict[str, ServedWeights] = {}
-        policy.set_resync(self.resync)  # a restarted replica serves every live run's newest adapter
-
-    async def add(self, adapter_id: str) -> None:
-        """Serve ``adapter_id`` on every replica (the base until its first version)."""
-        self.served[adapter_id] = ServedWeights()
-        await call_role("policy", self.policy.add_adapter.fanout(adapter_id, timeout=self.timeout_s))
-
-    async def retire(self, adapter_id: str) -> int:
-        """Evict ``adapter_id`` from every replica (after its requests there are done) and forget
-        it: its run stopped. Returns how many replicas held it in vLLM. Never raises: a run's end
-        must not fail for the policy's sake (a replica that is gone holds nothing)."""
-        self.served.pop(adapter_id, None)
-        held = 0
-        try:
-            held = await self.policy.retire_model(adapter_id, timeout_s=self.timeout_s)
-            await self.policy.forget_adapter.fanout(adapter_id, timeout=self.timeout_s)
-        except Exception as exc:
-            logger.warning("adapter %s was not evicted from every policy replica: %s", adapter_id, exc)
-        return held
-
-    async def resync(self, actor_mesh: Any) -> None:
-        """A restarted replica's step before it takes traffic: every live run's newest adapter."""
-        for adapter_id, served in list(self.served.items()):
-            await asyncio.wait_for(actor_mesh.add_adapter.call(adapter_id), self.timeout_s)
-            if served.weights is not None:
-                await asyncio.wait_for(
-                    actor_mesh.update_adapter.call(adapter_id, served.weights, served.version), self.timeout_s
-                )
 
 
 class AdapterWeights(PolicyWeights):
@@ -78,15 +34,14 @@ class AdapterWeights(PolicyWeights):
         from forge.observability import record_metric
 
         t0 = time.perf_counter()
-        self.served = self.adapters.served[self.adapter_id] = ServedWeights(weights, version)
-        timeout = self.adapters.timeout_s
-        update = self.policy.update_adapter.fanout(self.adapter_id, weights, version, rollback, timeout=timeout)
         try:
-            await call_role("policy", update)
+            await self.adapters.publish(self.adapter_id, weights, version, rollback)
         except RoleFailed as exc:
             if not exc.recoverable:
                 raise
             record_metric("weight_sync/interrupted", 1, "sum")  # the restarted replica resyncs
+        finally:
+            self.served = self.adapters.served[self.adapter_id]  # recorded before the replicas were told
         record_metric("weight_sync/push_s", time.perf_counter() - t0)
         return version
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apps.common.config import LoggingSection, RunSections
+from apps.common.config import LoggingSection, PolicySection, RunSections
 
 
 @dataclass(kw_only=True)
@@ -28,10 +28,24 @@ class ServerSection:
 
 
 @dataclass(kw_only=True)
+class ServePolicySection(PolicySection):
+    """The policy section (``PolicySection``), and the LoRA adapters served beside the base."""
+
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Model id -> a PEFT LoRA adapter folder (of this base; all with one rank, alpha and targets):
+    a request's ``model`` picks the base (``server.model_name``) or one of them. Routed by model
+    (``model_aware``) and batched per model, through forge's multiplexing."""
+    adapters_per_replica: int = 0
+    """Adapters a replica holds in vLLM at once (past it the least recently used idle one is
+    evicted, and loaded again when asked for); 0: every adapter."""
+
+
+@dataclass(kw_only=True)
 class ServeConfig(RunSections):
     """Serve ``model.path`` over an OpenAI-compatible API (the sections every app shares,
     ``RunSections``: ``policy`` is the vLLM engine and its placement, ``policy.num_replicas`` of it)."""
 
+    policy: ServePolicySection = field(default_factory=ServePolicySection)
     server: ServerSection = field(default_factory=ServerSection)
     logging: LoggingSection = field(default_factory=lambda: LoggingSection(output_dir="outputs/serve"))
 
@@ -51,6 +65,20 @@ class ServeConfig(RunSections):
             raise ValueError(f"server.router: {exc}") from None
         if s.api_key is not None and not s.api_key:
             raise ValueError("server.api_key is empty; give a key or leave it unset (null)")
+        p = self.policy
+        for name, folder in p.adapters.items():
+            if not name or not isinstance(folder, str) or not folder:
+                raise ValueError(f"policy.adapters maps a model id to an adapter folder, got {name!r}: {folder!r}")
+            if name == s.model_name:
+                raise ValueError(
+                    f"policy.adapters.{name}: the base model is served as {name!r}; name the adapter otherwise"
+                )
+        if isinstance(p.adapters_per_replica, bool) or p.adapters_per_replica < 0:
+            raise ValueError(
+                f"policy.adapters_per_replica must be >= 0 (0: every adapter), got {p.adapters_per_replica}"
+            )
+        if p.adapters and p.engine_mode != "batched":
+            raise ValueError(f"policy.adapters needs policy.engine_mode 'batched', got {p.engine_mode!r}")
         if not is_loopback(s.host) and s.api_key is None:
             raise ValueError(
                 f"server.host {s.host!r} is not a loopback address: set server.api_key, so that only clients "

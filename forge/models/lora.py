@@ -34,6 +34,7 @@ __all__ = [
     "LoraSettings",
     "adapter_tensors",
     "random_adapter",
+    "read_adapter_folder",
     "check_targets",
     "export_merged",
     "inject",
@@ -178,3 +179,27 @@ def export_merged(
     model.save_pretrained(str(adapter))
     model.merge_and_unload().save_pretrained(str(merged))
     AutoTokenizer.from_pretrained(base_model).save_pretrained(str(merged))
+
+
+def read_adapter_folder(folder: str | Path) -> tuple[LoraSettings, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter folder (``adapter_config.json``, ``adapter_model.safetensors``): its
+    settings and its tensors under PEFT's names, as a multi-adapter policy takes them. A folder
+    that is not one is a ``ValueError`` naming it and what is missing."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (folder / name).is_file()]
+    if missing:
+        raise ValueError(f"{folder} is not a PEFT adapter folder: it has no {' or '.join(missing)}")
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{folder} holds a {config.get('peft_type')} adapter; only LoRA adapters are served")
+    targets = config.get("target_modules") or []
+    settings = LoraSettings(
+        rank=int(config.get("r", 8)),
+        alpha=float(config.get("lora_alpha", 8)),
+        target_modules=sorted([targets] if isinstance(targets, str) else targets),
+    )
+    return settings, load_file(str(folder / ADAPTER_WEIGHTS))

@@ -3,7 +3,8 @@
 Per replica (label ``replica``): its state, requests in flight, and per endpoint the service's
 own counts (requests, errors, batches, mean batch size, mean queue wait: ``Service.metrics``);
 and the engine's (``Policy.engine_counters``): prompt tokens, how many of them the prefix cache
-held, the prefill it computed, tokens generated, requests cancelled. For the server: responses by
+held, the prefill it computed, tokens generated, requests cancelled; with LoRA adapters, the
+adapters loaded and evicted, and the batches whose adapter was loaded already or not. For the server: responses by
 HTTP status, prompt and completion tokens served, requests waiting for the service now, cancels.
 A replica that does not answer within ``ENGINE_TIMEOUT_S`` leaves its engine's counters out of
 that scrape (the service's own are always there).
@@ -32,6 +33,14 @@ _ENGINE = {
     "generated_tokens": "Tokens the engine sampled",
     "requests": "Requests the engine finished",
     "cancelled": "Requests cancelled while they ran (their client left)",
+}
+
+
+_MODELS = {
+    "loads": "Adapters loaded into the replica's engine",
+    "evictions": "Adapters evicted to make room for another",
+    "hits": "Batches whose adapter was loaded already",
+    "misses": "Batches that had to load their adapter first",
 }
 
 
@@ -119,6 +128,12 @@ class _Snapshot:
             family = CounterMetricFamily(f"forge_engine_{key}", help_text, labels=["replica"])
             for replica_id, engine in self.engines.items():
                 family.add_metric([str(replica_id)], engine.get(key, 0))
+            yield family
+        for key, help_text in _MODELS.items():  # a multi-adapter policy: what its multiplexing did
+            family = CounterMetricFamily(f"forge_model_{key}", help_text, labels=["replica"])
+            for replica_id, replica in replicas.items():
+                if "models" in replica:
+                    family.add_metric([str(replica_id)], replica["models"].get(key, 0))
             yield family
         yield CounterMetricFamily(
             "forge_service_retried", "Requests sent again after their replica died", self.service["retried"]

@@ -78,6 +78,13 @@ class FrontSettings:
     """Longest a request may wait for the policy service before it gets 504."""
     streaming: bool = True
     """Whether ``stream: true`` is served (the policy's batched engine streams; the async one does not)."""
+    adapters: tuple[str, ...] = ()
+    """Model ids of the LoRA adapters served beside ``model_name`` (a ``MultiLoraPolicy``'s): a
+    request naming one goes to its ``sample_adapter`` endpoint, routed and batched by that model."""
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return (self.model_name, *self.adapters)
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,8 @@ class Prepared:
     """A trained session's record, which keeps every completion it was served."""
     continued_from: int | None
     """How many of its prompt ids continue the session's last turn exactly (None: tokenised whole)."""
+    adapter: str | None = None
+    """The LoRA adapter that samples it (None: the base model)."""
 
 
 class OpenAIError(Exception):
@@ -171,18 +180,22 @@ class PolicyFront:
                 code="invalid_api_key",
             )
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.model_name:
-            raise OpenAIError(
-                404,
-                f"model {model!r} does not exist; this server serves {self.settings.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The adapter ``model`` names (None: the base); a 404 naming the models served otherwise."""
+        if model is None or model == self.settings.model_name:
+            return None
+        if model in self.settings.adapters:
+            return model
+        raise OpenAIError(
+            404,
+            f"model {model!r} does not exist; this server serves {list(self.settings.models)}",
+            param="model",
+            code="model_not_found",
+        )
 
     def completion(self, body: Any, session: str | None, sent: frozenset[str] = frozenset()) -> tuple[Prepared, Any]:
         """``/v1/completions``: one prompt string; ``sent``: the fields the client set."""
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         prompt = body.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -191,12 +204,12 @@ class PolicyFront:
                 400, "prompt must be one string (token-id and batched prompts are not served)", param="prompt"
             )
         max_tokens = body.max_tokens if "max_tokens" in sent else None  # vLLM's class would say 16
-        prepared = self.prepare(prompt, body, max_tokens, session, streamed=bool(body.stream))
-        return prepared, CompletionShape(body, self.tokenizer, self.settings.model_name)
+        prepared = self.prepare(prompt, body, max_tokens, session, streamed=bool(body.stream), adapter=adapter)
+        return prepared, CompletionShape(body, self.tokenizer, adapter or self.settings.model_name)
 
     def chat(self, body: Any, session: str | None) -> tuple[Prepared, Any]:
         """``/v1/chat/completions``: the messages through the tokenizer's chat template."""
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         messages = []
         for i, message in enumerate(body.messages):
             content = message.get("content") if isinstance(message, dict) else None
@@ -207,8 +220,8 @@ class PolicyFront:
             raise OpenAIError(400, f"model {self.settings.model_name!r} has no chat template; use /v1/completions")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        prepared = self.prepare(text, body, max_tokens, session, streamed=bool(body.stream))
-        return prepared, ChatShape(body, self.tokenizer, self.settings.model_name)
+        prepared = self.prepare(text, body, max_tokens, session, streamed=bool(body.stream), adapter=adapter)
+        return prepared, ChatShape(body, self.tokenizer, adapter or self.settings.model_name)
 
     async def answer(self, prepared: Prepared, shape: ResponseShape, http: Request) -> Response:
         """The whole response, or (``stream: true``) the stream of it; either way named with the
@@ -239,7 +252,14 @@ class PolicyFront:
         return StreamingResponse(events, media_type="text/event-stream", headers=_replica_header(trace))
 
     def prepare(
-        self, text: str, body: Any, max_tokens: int | None, session: str | None, *, streamed: bool = False
+        self,
+        text: str,
+        body: Any,
+        max_tokens: int | None,
+        session: str | None,
+        *,
+        streamed: bool = False,
+        adapter: str | None = None,
     ) -> Prepared:
         """The request for ``text`` at the body's settings, checked before anything is sent: a bad
         setting or a prompt that does not fit is a 400 naming it, a full server a 429."""
@@ -298,17 +318,20 @@ class PolicyFront:
             request_id=uuid.uuid4().hex,
         )
         key = session or getattr(body, "user", None) or text
-        return Prepared(text, request, key, session, record, turn.continued_from)
+        return Prepared(text, request, key, session, record, turn.continued_from, adapter)
 
     async def sample(self, prepared: Prepared, trace: RouteTrace, *, retry: bool = True) -> PackedGroup:
         """The prepared request's group from the policy service; a failure as an ``OpenAIError``.
         A caller cancelled meanwhile (its client left) cancels the request on the replicas too."""
         self.serving += 1
         try:
-            return await asyncio.wait_for(
-                self.policy.sample.route(prepared.request, key=prepared.key, retry=retry, trace=trace),
-                self.settings.request_timeout_s,
-            )
+            if prepared.adapter is None:
+                call = self.policy.sample.route(prepared.request, key=prepared.key, retry=retry, trace=trace)
+            else:  # routed (model_aware) and batched by its adapter: the session's key does not apply
+                call = self.policy.sample_adapter.route(
+                    prepared.request, model_id=prepared.adapter, retry=retry, trace=trace
+                )
+            return await asyncio.wait_for(call, self.settings.request_timeout_s)
         except asyncio.CancelledError:
             self.cancel_on_replicas(prepared)
             raise
@@ -401,8 +424,9 @@ def make_app(policy: Any, tokenizer: Any, settings: FrontSettings, recorder: Rec
 
     @app.get("/v1/models", dependencies=[Depends(api_key)])
     async def models() -> dict[str, Any]:
-        card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "forge"}
-        return {"object": "list", "data": [card]}
+        base = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "forge"}
+        adapters = [{**base, "id": name, "parent": settings.model_name} for name in settings.adapters]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/v1/completions", dependencies=[Depends(api_key)])
     async def completions(request: Request) -> Response:

@@ -26,8 +26,32 @@ def test_binding_beyond_loopback_without_an_api_key_is_refused_naming_the_host()
         ("server.request_timeout_s=0", "server.request_timeout_s must be > 0"),
         ("server.api_key=''", "server.api_key is empty"),
         ("server.router=nearest", "server.router: unknown router 'nearest'; expected one of"),
+        ("policy.adapters_per_replica=-1", "policy.adapters_per_replica must be >= 0"),
     ],
 )
 def test_bad_server_settings_name_the_setting(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(ServeConfig, "configs/serve_tiny.yaml", [override])
+
+
+def test_adapters_are_refused_when_they_clash_with_the_base_or_the_engine_mode():
+    with pytest.raises(ValueError, match="policy.adapters.tiny: the base model is served as 'tiny'"):
+        load_config(ServeConfig, "configs/serve_tiny.yaml", ["server.model_name=tiny", "policy.adapters.tiny=/a"])
+    with pytest.raises(ValueError, match="policy.adapters needs policy.engine_mode 'batched', got 'async'"):
+        load_config(ServeConfig, "configs/serve_tiny.yaml", ["policy.engine_mode=async", "policy.adapters.a=/a"])
+
+
+def test_adapter_folders_that_are_not_peft_loras_or_differ_in_shape_are_refused_naming_them(tmp_path):
+    from apps.serve.main import read_adapters
+    from forge.models.lora import LoraSettings, write_adapter_folder
+
+    with pytest.raises(ValueError, match="is not a PEFT adapter folder: it has no adapter_config.json or"):
+        read_adapters({"a": str(tmp_path)})
+    import torch
+
+    tensors = {"base_model.model.layers.0.q_proj.lora_A.weight": torch.zeros(4, 8)}
+    for name, rank in (("a", 4), ("b", 8)):
+        write_adapter_folder(tmp_path / name, tensors, LoraSettings(rank=rank), "base")
+    assert read_adapters({"a": str(tmp_path / "a")})["a"][0].rank == 4
+    with pytest.raises(ValueError, match="must share one rank, alpha and target modules; got a: r=4.*b: r=8"):
+        read_adapters({"a": str(tmp_path / "a"), "b": str(tmp_path / "b")})
