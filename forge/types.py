@@ -84,6 +84,9 @@ class Completion:
     token_versions: torch.Tensor | None = None
     """int64 [T]: the version that sampled each token (a sequence may span a weight update made
     while it was generated); None: every token ``policy_version``'s."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token, the most likely tokens there and their logprobs, most likely first
+    (``SampleRequest.top_logprobs`` of them); None: not asked for."""
 
     def versions(self) -> torch.Tensor:
         """int64 [T]: each token's version (``token_versions``, or ``policy_version`` throughout)."""
@@ -123,6 +126,8 @@ class PackedGroup(Packed):
     """The oldest token's version, over the group."""
     token_versions: torch.Tensor | None = per_token("response_lens", torch.long, fill=-1)
     """The version that sampled each token; None: all ``policy_version``'s."""
+    top_logprobs: list[Any] | None = per_item(fill=None)
+    """Each completion's ``Completion.top_logprobs``; None: not asked for."""
 
     @classmethod
     def of(cls, group: Group | PackedGroup) -> PackedGroup:
@@ -140,6 +145,7 @@ class PackedGroup(Packed):
             finish_reasons=[c.finish_reason for c in completions],
             policy_version=group.policy_version if completions else 0,
             token_versions=[c.versions() for c in completions],
+            top_logprobs=top_logprobs_column(completions),
         )
 
     def versions(self) -> torch.Tensor:
@@ -149,20 +155,19 @@ class PackedGroup(Packed):
     @functools.cached_property
     def completions(self) -> list[Completion]:
         versions = self.pieces("token_versions") if self.token_versions is not None else [None] * len(self)
+        tops = self.top_logprobs if self.top_logprobs is not None else [None] * len(self)
         return [
-            Completion(
-                self.prompt_ids,
-                t,
-                lp,
-                text,
-                oldest_version(v, self.policy_version),
-                reason,
-                v,
-            )
-            for t, lp, text, reason, v in zip(
-                self.pieces("token_ids"), self.pieces("logprobs"), self.texts, self.finish_reasons, versions
+            Completion(self.prompt_ids, t, lp, text, oldest_version(v, self.policy_version), reason, v, top)
+            for t, lp, text, reason, v, top in zip(
+                self.pieces("token_ids"), self.pieces("logprobs"), self.texts, self.finish_reasons, versions, tops
             )
         ]
+
+
+def top_logprobs_column(completions: list[Completion]) -> list[Any] | None:
+    """The completions' ``top_logprobs`` as a packed column (None when none has them)."""
+    tops = [c.top_logprobs for c in completions]
+    return None if all(t is None for t in tops) else tops
 
 
 @dataclass
@@ -349,6 +354,9 @@ class SampleRequest:
     stream_to: Any = None
     """A Monarch ``Port`` that receives a ``SampledSoFar`` after each engine step that sampled
     tokens of this request (the batched engine only); the result still carries every token."""
+    top_logprobs: int = 0
+    """Also return, per sampled token, this many most likely tokens there and their logprobs
+    (``Completion.top_logprobs``); 0: only the sampled token's."""
 
     @property
     def engine_input(self) -> str | list[int]:
@@ -356,10 +364,10 @@ class SampleRequest:
         return self.prompt.text if self.prompt_ids is None else list(self.prompt_ids)
 
     @property
-    def settings(self) -> tuple[int, float, int, float, tuple[str, ...]]:
+    def settings(self) -> tuple[int, float, int, float, tuple[str, ...], int]:
         """What must be equal for requests to share one engine call:
-        ``(n, temperature, max_tokens, top_p, stop)``."""
-        return self.n, self.temperature, self.max_tokens, self.top_p, self.stop
+        ``(n, temperature, max_tokens, top_p, stop, top_logprobs)``."""
+        return self.n, self.temperature, self.max_tokens, self.top_p, self.stop, self.top_logprobs
 
 
 @dataclass(frozen=True)
@@ -373,6 +381,8 @@ class SampledSoFar:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     """The behaviour logprob of each of ``token_ids``."""
+    top_logprobs: tuple[Any, ...] | None = None
+    """Per token, the most likely tokens there (``SampleRequest.top_logprobs``); None: not asked for."""
 
 
 @dataclass

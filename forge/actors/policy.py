@@ -258,7 +258,7 @@ class Policy(ForgeActor):
                 outputs[i] = aborted_samples(request, version)
             else:
                 by_settings.setdefault(request.settings, []).append(i)
-        for (n, temperature, max_tokens, top_p, stop), indices in by_settings.items():
+        for (n, temperature, max_tokens, top_p, stop, top_logprobs), indices in by_settings.items():
             chosen = [requests[i] for i in indices]
             prompts = [r.prompt for r in chosen]
             policy_seeds = self.sample_seeds(prompts, version) or [None] * len(chosen)
@@ -274,6 +274,7 @@ class Policy(ForgeActor):
                 adapter=adapter,
                 seed=None if all(s is None for s in seeds) else seeds,
                 **self._streams_and_tags(chosen),
+                **({"top_logprobs": top_logprobs} if top_logprobs else {}),
             )
             for i, completions in zip(indices, sampled):
                 outputs[i] = completions

@@ -5,11 +5,12 @@ into one ``PackedGroup`` or ``TurnResult`` per caller by the endpoints' debatch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from forge.packing import Packed, per_item, per_token, shared
-from forge.types import Completion, PackedGroup, Prompt, TurnResult, oldest_version
+from forge.types import Completion, PackedGroup, Prompt, TurnResult, oldest_version, top_logprobs_column
 from forge.wire import split_for_wire
 
 __all__ = ["PackedGroups", "PackedTurns"]
@@ -40,6 +41,8 @@ class PackedGroups(Packed):
     """The version served when the batch ended."""
     token_versions: torch.Tensor | None = per_token("response_lens", torch.long, fill=-1)
     """The version that sampled each token (a batch may span an update)."""
+    top_logprobs: list[Any] | None = per_item(fill=None)
+    """Each completion's most likely tokens per position (``Completion.top_logprobs``); None: not asked for."""
 
     @classmethod
     def pack(cls, prompts: list[Prompt], outputs: list[list[Completion]], version: int) -> PackedGroups:
@@ -51,6 +54,7 @@ class PackedGroups(Packed):
             prompt_lens=[int(g[0].prompt_ids.numel()) for g in outputs],
             prompt_ids=torch.cat([g[0].prompt_ids for g in outputs]),
             policy_version=version,
+            top_logprobs=top_logprobs_column(flat),
             **_sample_columns(flat),
         )
 
@@ -69,6 +73,7 @@ class PackedGroups(Packed):
                 g.finish_reasons,
                 oldest_version(g.token_versions, g.policy_version),
                 g.token_versions,
+                g.top_logprobs,
             )
             for i, (prompt, g) in enumerate(zip(self.prompts, groups))
         ]

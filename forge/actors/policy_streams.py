@@ -33,13 +33,16 @@ class StreamSender:
         self._sent = [0] * n
         self._broken = False
 
-    def __call__(self, index: int, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+    def __call__(
+        self, index: int, token_ids: Sequence[int], logprobs: Sequence[float], tops: Sequence[Any] | None = None
+    ) -> None:
         start = self._sent[index]
         if self._broken or len(logprobs) <= start:
             return
         end = len(logprobs)  # a token counts once its logprob is there
+        top = None if tops is None else tuple(tops[start:end])
         try:
-            self._port.send(SampledSoFar(index, start, tuple(token_ids[start:end]), tuple(logprobs[start:end])))
+            self._port.send(SampledSoFar(index, start, tuple(token_ids[start:end]), tuple(logprobs[start:end]), top))
         except Exception as exc:  # noqa: BLE001 - the stream is best effort; the result carries every token
             self._broken = True
             logger.debug("a streamed request's port refused its tokens (%s); not streaming it further", exc)

@@ -39,8 +39,9 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineCounters", "EngineSteps", "SampleVersions", "StepClock", "StepWatcher", "UpdateStall"]
 
-StepWatcher = Callable[[int, Sequence[int], Sequence[float]], None]
-"""Called after an engine step with one sample's index, its token ids so far and their logprobs."""
+StepWatcher = Callable[[int, Sequence[int], Sequence[float], Sequence[Any] | None], None]
+"""Called after an engine step with one sample's index, its token ids so far, their logprobs and
+(when asked for) each position's top tokens."""
 
 
 @dataclass
@@ -260,7 +261,7 @@ class EngineSteps:
         from vllm.logprobs import FlatLogprobs
         from vllm.outputs import CompletionOutput, RequestOutput
 
-        samples: dict[int, tuple[list[int], list[float]]] = {}
+        samples: dict[int, tuple[list[int], list[float], Any]] = {}
         prompt_ids: list[int] = []
         for state in self._engine.output_processor.request_states.values():
             if state.external_req_id == request_id:
@@ -268,7 +269,7 @@ class EngineSteps:
                 prompt_ids = list(state.prompt_token_ids or ())
         outputs = []
         for index in range(self._live.get(request_id, 1)):
-            token_ids, logprobs = samples.get(index, ([], []))
+            token_ids, logprobs, _ = samples.get(index, ([], [], None))  # cut short: no alternatives kept
             k = len(logprobs)  # one logprob per sampled token (logprobs=0), as vLLM's own outputs have them
             flat = FlatLogprobs(
                 start_indices=list(range(k)),
@@ -351,10 +352,15 @@ class EngineSteps:
                 self._versions.pop((request_id, index), None)
 
 
-def _tokens_so_far(state: Any) -> tuple[list[int], list[float]]:
-    """One live sample's token ids and their logprobs (vLLM's flat logprobs: one per token), from
-    its request state in vLLM's output processor."""
+def _tokens_so_far(state: Any) -> tuple[list[int], list[float], list[Any] | None]:
+    """One live sample's token ids, their logprobs and (if asked for) each position's top tokens,
+    from its request state in vLLM's output processor (a token counts once its logprob is there)."""
+    from forge.generation.vllm_io import flat_logprobs
+
     token_ids = list(state.detokenizer.output_token_ids)
     flat = state.logprobs_processor.logprobs
-    logprobs = list(flat.logprobs[: len(token_ids)]) if flat is not None else []
-    return token_ids, logprobs
+    if flat is None:
+        return token_ids, [], None
+    positions = min(len(token_ids), len(flat.start_indices))
+    _, logprobs, tops = flat_logprobs(flat, positions)
+    return token_ids[:positions], logprobs, tops

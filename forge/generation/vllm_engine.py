@@ -183,6 +183,7 @@ class VllmEngine:
         stop_token_ids: list[int] | None = None,
         seed: int | list[int] | None = None,
         adapter: ServedAdapter | None = None,
+        top_logprobs: int = 0,
     ) -> list[list[Completion]]:
         """Sample ``n`` completions per prompt in one batched engine call.
 
@@ -198,7 +199,9 @@ class VllmEngine:
         ``load_adapter``) samples with that adapter and stamps its version, instead of the one
         ``update_adapter`` serves: a policy serving many runs' adapters names one per call.
         """
-        ids = self._add(prompts, n, temperature, max_tokens, top_p, stop, stop_token_ids, seed, adapter)
+        ids = self._add(
+            prompts, n, temperature, max_tokens, top_p, stop, stop_token_ids, seed, adapter, top_logprobs=top_logprobs
+        )
         try:
             return self._completions(self.steps.run(ids), stop)
         finally:
@@ -218,6 +221,7 @@ class VllmEngine:
         adapter: ServedAdapter | None = None,
         watchers: Sequence[StepWatcher | None] | None = None,
         tags: Sequence[Hashable | None] | None = None,
+        top_logprobs: int = 0,
     ) -> list[list[Completion]]:
         """``generate``, yielding to the event loop after every engine step: an
         ``update_weights`` from another task lands between two steps, and the sequences in
@@ -239,6 +243,7 @@ class VllmEngine:
             adapter,
             watchers=watchers,
             tags=tags,
+            top_logprobs=top_logprobs,
         )
         try:
             return self._completions(await self.steps.run_async(ids), stop)
@@ -259,9 +264,12 @@ class VllmEngine:
         *,
         watchers: Sequence[StepWatcher | None] | None = None,
         tags: Sequence[Hashable | None] | None = None,
+        top_logprobs: int = 0,
     ) -> list[str]:
         """The call's requests, added to the engine (none for no prompts; the settings are checked either way)."""
-        params = sampling_params(len(prompts), n, temperature, max_tokens, top_p, stop, seed, stop_token_ids)
+        params = sampling_params(
+            len(prompts), n, temperature, max_tokens, top_p, stop, seed, stop_token_ids, top_logprobs
+        )
         if not prompts:
             return []
         inputs = token_prompts(prompts, self._tokenizer)

@@ -32,6 +32,8 @@ __all__ = [
 ]
 
 EXTENSION = "forge.generation.weight_sync.WeightSyncExtension"
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives per token a request may ask for (vLLM's default ``max_logprobs``)."""
 CPU_BLOCK_SIZE = 32
 """KV block size on CPU: the smallest vLLM's CPU attention supports (a multiple of 32)."""
 Prompts = Sequence[str] | Sequence[Sequence[int]] | Sequence[torch.Tensor]
@@ -104,13 +106,19 @@ def sampling_params(
     stop: list[str] | None,
     seed: int | list[int] | None,
     stop_token_ids: list[int] | None = None,
+    top_logprobs: int = 0,
 ) -> SamplingParams | list[SamplingParams]:
     """Check the sampling arguments and build vLLM's ``SamplingParams`` for a call.
 
     One object for all prompts, or one per prompt when ``seed`` is given: an int seeds prompt
     ``i`` with ``seed + i * n``, so every sample has its own stream; a list gives each prompt its
-    own seed (the same samples for a prompt whatever else shares its batch).
+    own seed (the same samples for a prompt whatever else shares its batch). ``top_logprobs``:
+    how many of the most likely tokens at each position to return beside the sampled one.
     """
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise SamplingError(
+            "top_logprobs", f"top_logprobs must be an int in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs!r}"
+        )
     if isinstance(seed, list) and len(seed) != num_prompts:
         raise ValueError(f"seed lists {len(seed)} seeds for {num_prompts} prompts; give one per prompt")
     check_sampling(n, temperature, max_tokens, top_p)
@@ -134,7 +142,7 @@ def sampling_params(
             stop=stop,
             stop_token_ids=list(stop_token_ids or ()),
             seed=seed,
-            logprobs=0,  # only the sampled token's logprob
+            logprobs=top_logprobs,  # the sampled token's logprob, then the top ones asked for
             flat_logprobs=True,  # a few flat lists per sample instead of a dict per token
             # Stop strings are matched on text; without them the text is decoded once at the
             # end (``to_completions``), not token by token.
@@ -186,16 +194,18 @@ def to_completions(
             token_ids = list(sample.token_ids)
             stamps = SampleVersions(token_versions) if isinstance(token_versions, int) else token_versions[i][j]
             versions = stamps.per_token(len(token_ids))
+            logprobs, tops = _sampled_logprobs(sample, token_ids, out.request_id)
             row.append(
                 Completion(
                     prompt_ids=prompt_ids,
                     token_ids=torch.tensor(token_ids, dtype=torch.long),
-                    logprobs=torch.tensor(_sampled_logprobs(sample, token_ids, out.request_id), dtype=torch.float32),
+                    logprobs=torch.tensor(logprobs, dtype=torch.float32),
                     text=texts[k],
                     # The oldest token's: what max_policy_age and the buffer go by.
                     policy_version=stamps.oldest(len(token_ids)),
                     finish_reason=str(sample.finish_reason),
                     token_versions=versions,
+                    top_logprobs=tops,
                 )
             )
             k += 1
@@ -253,9 +263,27 @@ def _prompt_ids(prompt: Any, index: int) -> list[int] | None:
     raise ValueError(f"prompts[{index}] must be a str or a sequence of int token ids, got {type(prompt)}")
 
 
-def _sampled_logprobs(sample: Any, token_ids: list[int], request_id: str) -> list[float]:
-    """The logprob of each sampled token from vLLM's flat logprobs (``logprobs=0``: one each)."""
+def flat_logprobs(flat: Any, positions: int) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
+    """The first ``positions`` of vLLM's flat logprobs: each position's sampled token and its
+    logprob (vLLM puts it first), and with ``logprobs=k`` the top ``k`` there, most likely first
+    (None when only the sampled ones were asked for)."""
+    if len(flat.start_indices) == len(flat.token_ids):  # logprobs=0: one entry per position
+        return list(flat.token_ids[:positions]), list(flat.logprobs[:positions]), None
+    starts, ends = flat.start_indices[:positions], flat.end_indices[:positions]
+    sampled = [flat.token_ids[a] for a in starts]
+    logprobs = [flat.logprobs[a] for a in starts]
+    tops = [[(flat.token_ids[j], flat.logprobs[j]) for j in range(a + 1, b)] for a, b in zip(starts, ends)]
+    return sampled, logprobs, tops
+
+
+def _sampled_logprobs(
+    sample: Any, token_ids: list[int], request_id: str
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """Each sampled token's logprob from vLLM's flat logprobs, and the top ones if asked for."""
     flat = sample.logprobs
-    if flat is None or flat.token_ids != token_ids:
+    if flat is None:
         raise RuntimeError(f"vLLM returned no logprob for some tokens of request {request_id}")
-    return flat.logprobs
+    sampled, logprobs, tops = flat_logprobs(flat, len(flat.start_indices))
+    if sampled != token_ids:
+        raise RuntimeError(f"vLLM returned no logprob for some tokens of request {request_id}")
+    return logprobs, tops

@@ -41,7 +41,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from forge.describe import describe
-from forge.generation.vllm_io import SamplingError, check_sampling
+from forge.generation.vllm_io import MAX_TOP_LOGPROBS, SamplingError, check_sampling
 from forge.serving.metrics import FrontCounts, prometheus_text
 from forge.serving.recording import RecordedTurn, Recorder, SessionRecord
 from forge.serving.sessions import SessionTurns
@@ -263,12 +263,14 @@ class PolicyFront:
     ) -> Prepared:
         """The request for ``text`` at the body's settings, checked before anything is sent: a bad
         setting or a prompt that does not fit is a 400 naming it, a full server a 429."""
-        top = getattr(body, "top_logprobs", None) or 0  # chat
-        alternatives = body.logprobs if type(body.logprobs) is int else 0  # completions (chat's is a bool)
-        if top > 0 or alternatives > 1:
-            raise OpenAIError(
-                400, "only the sampled tokens' logprobs are served (logprobs <= 1, no top_logprobs)", param="logprobs"
-            )
+        if type(body.logprobs) is int:  # completions: logprobs=k, the k most likely tokens at each position
+            top, param = body.logprobs, "logprobs"
+        else:  # chat: logprobs is a bool, top_logprobs the count
+            top, param = (getattr(body, "top_logprobs", None) or 0) if body.logprobs else 0, "top_logprobs"
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise OpenAIError(400, f"{param} must be in 0..{MAX_TOP_LOGPROBS}, got {top}", param=param)
+        if top and not self.settings.streaming:
+            raise OpenAIError(400, f"{param} > 0 needs the policy's batched engine (engine_mode: batched)", param=param)
         if streamed and not self.settings.streaming:
             raise OpenAIError(
                 400, "stream: true needs the policy's batched engine (engine_mode: batched)", param="stream"
@@ -316,6 +318,7 @@ class PolicyFront:
             seed=body.seed,
             prompt_ids=tuple(prompt_ids),
             request_id=uuid.uuid4().hex,
+            top_logprobs=top,
         )
         key = session or getattr(body, "user", None) or text
         return Prepared(text, request, key, session, record, turn.continued_from, adapter)

@@ -91,7 +91,13 @@ class ResponseShape:
         return self.chunk([], prompt_token_ids=prompt_ids) if self.token_ids_asked else None
 
     def delta_choice(
-        self, index: int, text: str, token_ids: Sequence[int], logprobs: Sequence[float], offset: int
+        self,
+        index: int,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        offset: int,
+        tops: Sequence[Any] | None = None,
     ) -> dict[str, Any]:
         """A choice's next piece of text, and the tokens it came from (``offset``: how much text came before)."""
         raise NotImplementedError
@@ -124,28 +130,41 @@ class CompletionShape(ResponseShape):
     def choice(self, index: int, completion: Completion) -> dict[str, Any]:
         choice = {"index": index, "text": completion.text, "finish_reason": completion.finish_reason}
         if self.logprobs_asked:
-            choice["logprobs"] = self._logprobs(completion.token_ids.tolist(), completion.logprobs.tolist(), 0)
+            choice["logprobs"] = self._logprobs(
+                completion.token_ids.tolist(), completion.logprobs.tolist(), 0, completion.top_logprobs
+            )
         return choice
 
     def delta_choice(
-        self, index: int, text: str, token_ids: Sequence[int], logprobs: Sequence[float], offset: int
+        self,
+        index: int,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        offset: int,
+        tops: Sequence[Any] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": None}
         if self.logprobs_asked:
-            choice["logprobs"] = self._logprobs(token_ids, logprobs, offset)
+            choice["logprobs"] = self._logprobs(token_ids, logprobs, offset, tops)
         return choice
 
     def empty_delta(self) -> dict[str, Any]:
         return {"text": ""}
 
-    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float], offset: int) -> dict[str, Any]:
+    def _logprobs(
+        self, token_ids: Sequence[int], logprobs: Sequence[float], offset: int, tops: Sequence[Any] | None
+    ) -> dict[str, Any]:
         tokens = self.tokens(token_ids)
         values = [float(x) for x in logprobs]
         offsets, at = [], offset
         for token in tokens:
             offsets.append(at)
             at += len(token)
-        top = [{t: lp} for t, lp in zip(tokens, values)] if self.body.logprobs == 1 else None
+        top = None
+        if self.body.logprobs:  # logprobs=k: the k most likely tokens at each position
+            per_position = tops if tops is not None else [[] for _ in tokens]
+            top = [{self.tokenizer.decode([t]): float(lp) for t, lp in position} for position in per_position]
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
 
 
@@ -170,7 +189,9 @@ class ChatShape(ResponseShape):
         }
         if self.logprobs_asked:
             choice["logprobs"] = {
-                "content": self._logprobs(completion.token_ids.tolist(), completion.logprobs.tolist())
+                "content": self._logprobs(
+                    completion.token_ids.tolist(), completion.logprobs.tolist(), completion.top_logprobs
+                )
             }
         return choice
 
@@ -183,18 +204,34 @@ class ChatShape(ResponseShape):
         return self.chunk(choices, **extra)
 
     def delta_choice(
-        self, index: int, text: str, token_ids: Sequence[int], logprobs: Sequence[float], offset: int
+        self,
+        index: int,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        offset: int,
+        tops: Sequence[Any] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "delta": {"content": text}, "finish_reason": None}
         if self.logprobs_asked:
-            choice["logprobs"] = {"content": self._logprobs(token_ids, logprobs)}
+            choice["logprobs"] = {"content": self._logprobs(token_ids, logprobs, tops)}
         return choice
 
     def empty_delta(self) -> dict[str, Any]:
         return {"delta": {}}
 
-    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> list[dict[str, Any]]:
+    def _logprobs(
+        self, token_ids: Sequence[int], logprobs: Sequence[float], tops: Sequence[Any] | None
+    ) -> list[dict[str, Any]]:
+        per_position = tops if tops is not None else [[] for _ in token_ids]
         return [
-            {"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(self.tokens(token_ids), logprobs)
+            {"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": self._top(top)}
+            for t, lp, top in zip(self.tokens(token_ids), logprobs, per_position)
         ]
+
+    def _top(self, position: Sequence[tuple[int, float]]) -> list[dict[str, Any]]:
+        out = []
+        for token_id, logprob in position:
+            token = self.tokenizer.decode([token_id])
+            out.append({"token": token, "logprob": float(logprob), "bytes": list(token.encode())})
+        return out

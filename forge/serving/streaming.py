@@ -159,12 +159,13 @@ def _delta(shape: Any, choices: list[_Choice], message: SampledSoFar) -> dict[st
     if skip < 0 or skip >= len(message.token_ids):
         return None  # a gap (the result fills it in) or nothing new
     token_ids, logprobs = message.token_ids[skip:], message.logprobs[skip:]
+    tops = None if message.top_logprobs is None else message.top_logprobs[skip:]
     offset = len(choice.text.sent)
     text = choice.text.add(token_ids)
     choice.tokens += len(token_ids)
     if not text and not shape.logprobs_asked:
         return None
-    return shape.chunk([shape.delta_choice(message.index, text, token_ids, logprobs, offset)])
+    return shape.chunk([shape.delta_choice(message.index, text, token_ids, logprobs, offset, tops)])
 
 
 def _ending(shape: Any, choices: list[_Choice], group: PackedGroup, prompt_ids: list[int]) -> list[dict[str, Any]]:
@@ -173,10 +174,11 @@ def _ending(shape: Any, choices: list[_Choice], group: PackedGroup, prompt_ids: 
     for index, (choice, completion) in enumerate(zip(choices, group.completions)):
         token_ids = completion.token_ids.tolist()[choice.tokens :]
         logprobs = completion.logprobs.tolist()[choice.tokens :]
+        tops = None if completion.top_logprobs is None else completion.top_logprobs[choice.tokens :]
         text = choice.text.rest(completion.text)
         if text or token_ids:
             offset = len(choice.text.sent)
-            events.append(shape.chunk([shape.delta_choice(index, text, token_ids, logprobs, offset)]))
+            events.append(shape.chunk([shape.delta_choice(index, text, token_ids, logprobs, offset, tops)]))
     events.append(shape.chunk([shape.final_choice(i, c) for i, c in enumerate(group.completions)]))
     options = getattr(shape.body, "stream_options", None)
     if options is not None and getattr(options, "include_usage", False):

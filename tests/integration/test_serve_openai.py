@@ -190,6 +190,31 @@ async def test_a_streamed_chat_starts_with_the_role_and_its_pieces_carry_their_l
     assert streamed == pytest.approx([lp.logprob for lp in whole.choices[0].logprobs.content], abs=0)
 
 
+async def test_top_logprobs_list_the_most_likely_tokens_streamed_or_not(server: str) -> None:
+    """Chat ``top_logprobs=3`` (greedy: the sampled token is the first of them) and completions
+    ``logprobs=2``; the streamed chat carries the same alternatives as the whole answer."""
+    client = _client(server)
+    args = {"model": "tiny", "messages": [{"role": "user", "content": "7="}], "max_tokens": 6, "temperature": 0}
+    whole = await client.chat.completions.create(**args, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 3 for t in content)
+    for token in content:
+        assert token.top_logprobs[0].token == token.token and token.top_logprobs[0].logprob == token.logprob
+        values = [t.logprob for t in token.top_logprobs]
+        assert values == sorted(values, reverse=True)
+    chunks = [c async for c in await client.chat.completions.create(**args, logprobs=True, top_logprobs=3, stream=True)]
+    streamed = [
+        t for c in chunks for ch in c.choices if ch.logprobs and ch.logprobs.content for t in ch.logprobs.content
+    ]
+    assert [[a.token for a in t.top_logprobs] for t in streamed] == [[a.token for a in t.top_logprobs] for t in content]
+    done = await client.completions.create(model="tiny", prompt="7=", max_tokens=4, logprobs=2, seed=1)
+    tops = done.choices[0].logprobs.top_logprobs
+    assert len(tops) == len(done.choices[0].logprobs.tokens) and all(len(t) == 2 for t in tops)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(**args, logprobs=True, top_logprobs=21)
+    assert caught.value.body["param"] == "top_logprobs"
+
+
 async def test_a_streamed_text_never_shows_a_stop_string_it_ends_at(server: str) -> None:
     client = _client(server)
     args = {"model": "tiny", "prompt": "12=", "max_tokens": 16, "seed": 7}

@@ -503,7 +503,7 @@ async def test_a_watched_request_shows_each_samples_tokens_as_they_come_and_they
     before the end), always a prefix of what the call returns, with the same logprobs."""
     seen: dict[int, list[tuple[list[int], list[float]]]] = {0: [], 1: []}
 
-    def watch(index: int, token_ids, logprobs) -> None:
+    def watch(index: int, token_ids, logprobs, tops) -> None:
         seen[index].append((list(token_ids), list(logprobs)))
 
     (group, other) = await batched_engine.generate_async(
@@ -571,3 +571,26 @@ async def test_a_repeated_prompt_is_counted_as_cached_prompt_tokens(batched_engi
     computed_second = second.computed_prompt_tokens - first.computed_prompt_tokens
     assert second.cached_prompt_tokens - first.cached_prompt_tokens >= 32
     assert computed_second <= computed_first - 32, (computed_first, computed_second)
+
+
+async def test_top_logprobs_give_each_positions_most_likely_tokens_and_leave_the_samples_as_they_were(
+    batched_engine: VllmEngine,
+) -> None:
+    """``top_logprobs=3``: per token, three (token, logprob) pairs in falling order; the samples and
+    their logprobs are those of the same call without them; greedy, the sampled token is the top one."""
+    plain = batched_engine.generate(PROMPTS[:2], n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=[1, 2])
+    topped = batched_engine.generate(
+        PROMPTS[:2], n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=[1, 2], top_logprobs=3
+    )
+    for a, b in zip(_flat(plain), _flat(topped)):
+        assert a.top_logprobs is None and a.token_ids.tolist() == b.token_ids.tolist()
+        assert b.logprobs.tolist() == pytest.approx(a.logprobs.tolist(), abs=1e-6)
+        assert len(b.top_logprobs) == b.token_ids.numel()
+        for sampled_lp, top in zip(b.logprobs.tolist(), b.top_logprobs):
+            values = [lp for _, lp in top]
+            assert len(top) == 3 and values == sorted(values, reverse=True) and sampled_lp <= values[0] + 1e-6
+    (greedy,) = batched_engine.generate(PROMPTS[:1], n=1, temperature=0.0, max_tokens=MAX_TOKENS, top_logprobs=2)
+    for token, top in zip(greedy[0].token_ids.tolist(), greedy[0].top_logprobs):
+        assert top[0][0] == token
+    with pytest.raises(ValueError, match="top_logprobs must be an int in 0..20, got 21"):
+        batched_engine.generate(PROMPTS[:1], n=1, temperature=1.0, max_tokens=2, top_logprobs=21)
