@@ -550,7 +550,7 @@ async def test_a_cancelled_request_ends_at_once_with_its_tokens_so_far_and_the_r
     assert cut.token_ids.tolist() == full_cut[: cut.token_ids.numel()]
     assert cut.logprobs.numel() == cut.token_ids.numel()
     assert kept.token_ids.tolist() == alone[1][0].token_ids.tolist() and kept.finish_reason != "abort"
-    assert not steps.busy
+    assert not steps.busy and not batched_engine.llm.llm_engine.has_unfinished_requests()  # vLLM dropped it
     after = steps.counters
     assert after.cancelled == before.cancelled + 1 and after.requests == before.requests + 2
     assert after.generated_tokens - before.generated_tokens == cut.token_ids.numel() + kept.token_ids.numel()
