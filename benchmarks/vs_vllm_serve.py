@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -48,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from apps.grpo.cli import app_command  # noqa: E402
-from apps.serve.cli import serve_command  # noqa: E402
+from apps.serve.cli import serve_command, served_url  # noqa: E402
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 
@@ -58,14 +57,9 @@ def start_forge(folder: Path, overrides: list[str]) -> tuple[subprocess.Popen, s
     model = folder / "model"
     cmd = serve_command(folder, "server.max_concurrent=4096", *overrides)
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        found = re.search(r"serving 'tiny' at (http://\S+)", line)
-        if found:
-            return proc, found.group(1), model
-        if not line and proc.poll() is not None:
-            break
+    url = served_url(proc, 300)
+    if url is not None:
+        return proc, url, model
     proc.kill()
     raise SystemExit("forge's server did not start")
 

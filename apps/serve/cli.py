@@ -3,7 +3,10 @@ on a config, the model and outputs in one folder, on a free port."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -24,3 +27,17 @@ def serve_command(
         "server.model_name=tiny",
         *overrides,
     ]
+
+
+def served_url(proc: subprocess.Popen, timeout_s: float = 180.0) -> str | None:
+    """The base URL the server started by ``serve_command`` prints once it serves (its stdout a
+    text pipe); None if it exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        found = re.search(r"serving 'tiny' at (http://\S+)", line)
+        if found:
+            return found.group(1)
+        if not line and proc.poll() is not None:
+            return None
+    return None

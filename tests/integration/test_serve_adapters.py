@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from apps.common.inputs import make_model  # noqa: E402
-from apps.serve.cli import serve_command  # noqa: E402
+from apps.serve.cli import serve_command, served_url  # noqa: E402
 from apps.serve.config import ServeConfig  # noqa: E402
 from forge.config import load_config  # noqa: E402
 from forge.models import sequence_logprobs  # noqa: E402
@@ -52,14 +51,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
     cmd = serve_command(folder, *overrides, "policy.adapters_per_replica=1")  # the two share one vLLM slot
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline, url = time.monotonic() + 180, None
-    while url is None:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the server did not start: {proc.stderr.read()[-3000:]}")
-        found = re.search(r"serving 'tiny' at (http://\S+)", line)
-        url = found.group(1) if found else None
+    url = served_url(proc)
+    if url is None:
+        proc.kill()
+        pytest.fail(f"the server did not start: {proc.stderr.read()[-3000:]}")
     yield url, models
     proc.terminate()
     assert proc.wait(60) == 143, proc.stderr.read()[-3000:]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from apps.serve.cli import serve_command  # noqa: E402
+from apps.serve.cli import serve_command, served_url  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "test-key"
@@ -43,15 +42,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     SERVER_PID[:] = [proc.pid]
-    deadline = time.monotonic() + 180
-    url = None
-    while url is None:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the server did not start: {proc.stderr.read()[-3000:]}")
-        found = re.search(r"serving 'tiny' at (http://\S+)", line)
-        url = found.group(1) if found else None
+    url = served_url(proc)
+    if url is None:
+        proc.kill()
+        pytest.fail(f"the server did not start: {proc.stderr.read()[-3000:]}")
     yield url
     proc.terminate()
     try:
