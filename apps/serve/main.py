@@ -62,7 +62,7 @@ async def run(cfg: ServeConfig, terminal: Any, resume_from: Any = None) -> str:
             api_key=s.api_key,
             max_concurrent=s.max_concurrent,
             request_timeout_s=s.request_timeout_s,
-            streaming=cfg.policy.engine_mode == "batched",
+            batched_engine=cfg.policy.engine_mode == "batched",
         )
         app = make_app(policy, tokenizer, settings)
         running = await start_server(app, s.host, s.port, own_signals=True)

@@ -46,7 +46,7 @@ from forge.serving.metrics import FrontCounts, prometheus_text
 from forge.serving.recording import RecordedTurn, Recorder, SessionRecord
 from forge.serving.sessions import SessionTurns
 from forge.serving.shapes import ChatShape, CompletionShape, ResponseShape
-from forge.serving.streaming import first_event, stream_answer, until_disconnected
+from forge.serving.streaming import DISCONNECTED, first_event, stream_answer, until_disconnected
 from forge.types import PackedGroup, Prompt, SampleRequest
 
 if TYPE_CHECKING:
@@ -56,6 +56,8 @@ __all__ = ["FrontSettings", "OpenAIError", "make_app"]
 
 logger = logging.getLogger("forge.serving")
 
+CLIENT_CLOSED = 499
+"""The status counted for a request whose client disconnected before its answer."""
 CANCEL_TIMEOUT_S = 10.0
 """How long the replicas get to confirm a cancel (a dead one never does)."""
 
@@ -76,8 +78,9 @@ class FrontSettings:
     """Requests served at once; one more gets 429 at once."""
     request_timeout_s: float = 600.0
     """Longest a request may wait for the policy service before it gets 504."""
-    streaming: bool = True
-    """Whether ``stream: true`` is served (the policy's batched engine streams; the async one does not)."""
+    batched_engine: bool = True
+    """Whether the policy runs vLLM's batched engine (``engine_mode: batched``): ``stream: true``
+    and top logprobs need it; the async one serves neither."""
     adapters: tuple[str, ...] = ()
     """Model ids of the LoRA adapters served beside ``model_name`` (a ``MultiLoraPolicy``'s): a
     request naming one goes to its ``sample_adapter`` endpoint, routed and batched by that model."""
@@ -232,6 +235,9 @@ class PolicyFront:
         if getattr(shape.body, "stream", False):
             return await self._stream(prepared, shape, trace)
         group = await until_disconnected(self.sample(prepared, trace), http)
+        if group is DISCONNECTED:  # nobody to answer; nginx's "client closed request", for the counts
+            self.counts.answered(CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
         prompt_ids = self.finish(prepared, group)
         return JSONResponse(shape.response(group, prompt_ids), headers=_replica_header(trace))
 
@@ -269,9 +275,9 @@ class PolicyFront:
             top, param = (getattr(body, "top_logprobs", None) or 0) if body.logprobs else 0, "top_logprobs"
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise OpenAIError(400, f"{param} must be in 0..{MAX_TOP_LOGPROBS}, got {top}", param=param)
-        if top and not self.settings.streaming:
+        if top and not self.settings.batched_engine:
             raise OpenAIError(400, f"{param} > 0 needs the policy's batched engine (engine_mode: batched)", param=param)
-        if streamed and not self.settings.streaming:
+        if streamed and not self.settings.batched_engine:
             raise OpenAIError(
                 400, "stream: true needs the policy's batched engine (engine_mode: batched)", param="stream"
             )

@@ -26,7 +26,10 @@ from typing import Any
 from forge.serving.shapes import usage
 from forge.types import PackedGroup, SampledSoFar
 
-__all__ = ["TextSoFar", "sse", "stream_answer", "until_disconnected"]
+__all__ = ["DISCONNECTED", "TextSoFar", "sse", "stream_answer", "until_disconnected"]
+
+DISCONNECTED = object()
+"""What ``until_disconnected`` returns when the client left first."""
 
 
 def sse(payload: Any) -> str:
@@ -188,8 +191,8 @@ def _ending(shape: Any, choices: list[_Choice], group: PackedGroup, prompt_ids: 
 
 
 async def until_disconnected(work: Awaitable[Any], request: Any) -> Any:
-    """``work``'s result, or ``asyncio.CancelledError`` raised into it when the HTTP client of
-    ``request`` (a Starlette request whose body was read) disconnects first."""
+    """``work``'s result; or, when the HTTP client of ``request`` (a Starlette request whose body
+    was read) disconnects first, ``work`` cancelled and ``DISCONNECTED``."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnect(request))
     try:
@@ -198,7 +201,7 @@ async def until_disconnected(work: Awaitable[Any], request: Any) -> Any:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-            raise asyncio.CancelledError("the HTTP client disconnected")
+            return DISCONNECTED
         return task.result()
     finally:
         watch.cancel()

@@ -301,6 +301,8 @@ async def test_a_client_that_disconnects_cancels_its_request_on_the_replica(serv
         await asyncio.sleep(0.2)
     after = await _metrics(server)
     assert after["forge_http_cancelled_total"] - before["forge_http_cancelled_total"] == 2
+    closed = "forge_http_responses_total{status=499}"  # the one not streamed: nobody left to answer
+    assert after.get(closed, 0) - before.get(closed, 0) == 1
 
 
 @pytest.mark.parametrize(
