@@ -13,12 +13,25 @@ import asyncio
 import logging
 from typing import Any
 
-from apps.common.roles import call_role
+from apps.common.launch import RoleSpec
+from apps.common.roles import POLICY_ENV, call_role
 from apps.common.weights import ServedWeights
 
-__all__ = ["SharedAdapters"]
+__all__ = ["SharedAdapters", "multi_adapter_policy"]
 
 logger = logging.getLogger("forge.adapters")
+
+
+def multi_adapter_policy(config: Any, adapters_per_replica: int, options: dict[str, Any] | None = None) -> RoleSpec:
+    """The ``policy`` role as a ``MultiLoraPolicy`` holding ``adapters_per_replica`` adapters per
+    replica: the service's ``max_models`` and vLLM's ``max_loras`` set together, so the two never
+    disagree about what a replica holds. ``config``: its ``PolicyConfig`` (with ``lora``)."""
+    from forge.actors.multi_lora_policy import MultiLoraPolicy, multi_lora_engine_kwargs
+
+    config.engine_kwargs = {**config.engine_kwargs, **multi_lora_engine_kwargs(adapters_per_replica)}
+    return RoleSpec(
+        "policy", MultiLoraPolicy, config, POLICY_ENV, options={**(options or {}), "max_models": adapters_per_replica}
+    )
 
 
 class SharedAdapters:
@@ -39,15 +52,14 @@ class SharedAdapters:
         self.served[adapter_id] = ServedWeights()
         await call_role("policy", self.policy.add_adapter.fanout(adapter_id, timeout=self.timeout_s))
 
-    async def publish(self, adapter_id: str, weights: Any, version: int, rollback: bool = False) -> ServedWeights:
+    async def publish(self, adapter_id: str, weights: Any, version: int, rollback: bool = False) -> None:
         """Serve ``weights`` (PEFT-named adapter tensors) as ``adapter_id``'s ``version`` on every
         healthy replica, recorded first so that a replica restarting meanwhile gets it from
         ``resync``; an older version than the replicas serve only with ``rollback``. A replica
         that fails meanwhile is a recoverable ``RoleFailed`` (it resyncs when back)."""
-        served = self.served[adapter_id] = ServedWeights(weights, version)
+        self.served[adapter_id] = ServedWeights(weights, version)
         update = self.policy.update_adapter.fanout(adapter_id, weights, version, rollback, timeout=self.timeout_s)
         await call_role("policy", update)
-        return served
 
     async def retire(self, adapter_id: str) -> int:
         """Evict ``adapter_id`` from every replica (after its requests there are done) and forget

@@ -49,8 +49,9 @@ from typing import TYPE_CHECKING, Any
 import forge.controller  # noqa: F401  (before anything imports monarch)
 from apps.common import cli
 from apps.common.inputs import prepare_data
-from apps.common.launch import RoleSpec, policy_config, start_role
-from apps.common.roles import POLICY_ENV, RoleFailed
+from apps.common.launch import policy_config, start_role
+from apps.common.roles import RoleFailed
+from apps.common.shared_adapters import multi_adapter_policy
 from apps.grpo.roles import fault_options, prepare_model
 from apps.multi_lora.adapters import SharedAdapters
 from apps.multi_lora.run import RunResult, run_one
@@ -67,12 +68,8 @@ class RunsFailed(RuntimeError):
 
 async def start_policy(first: RunConfig, model_path: str, max_loras: int) -> Any:
     """The shared policy service, configured from the first run (the runs agree on it)."""
-    from forge.actors.multi_lora_policy import MultiLoraPolicy, multi_lora_engine_kwargs
-
     cfg = first.grpo
-    policy = policy_config(cfg, model_path, cfg.group_size)
-    policy.engine_kwargs = {**policy.engine_kwargs, **multi_lora_engine_kwargs(max_loras)}
-    spec = RoleSpec("policy", MultiLoraPolicy, policy, POLICY_ENV, options={"max_models": max_loras})
+    spec = multi_adapter_policy(policy_config(cfg, model_path, cfg.group_size), max_loras)
     return await start_role(spec, cfg, {}, None, **fault_options(cfg))
 
 

@@ -21,7 +21,7 @@ from apps.common import cli
 from apps.common.inputs import make_model
 from apps.common.launch import RoleSpec, assign_gpus, open_run, policy_config, start_role
 from apps.common.roles import POLICY_ENV, RoleFailed
-from apps.common.shared_adapters import SharedAdapters
+from apps.common.shared_adapters import SharedAdapters, multi_adapter_policy
 
 if TYPE_CHECKING:
     from apps.serve.config import ServeConfig
@@ -93,7 +93,6 @@ def policy_spec(cfg: ServeConfig, model_path: str, adapters: dict[str, Any]) -> 
     """The policy service: a ``Policy``, or with adapters a ``MultiLoraPolicy`` that holds
     ``policy.adapters_per_replica`` of them (0: all) and routes each request by its model."""
     from forge.actors import Policy
-    from forge.actors.multi_lora_policy import MultiLoraPolicy, multi_lora_engine_kwargs
 
     config = policy_config(cfg, model_path, group_size=1)
     # More than one batch in flight: a request arriving mid-batch joins the engine at its next step.
@@ -103,12 +102,9 @@ def policy_spec(cfg: ServeConfig, model_path: str, adapters: dict[str, Any]) -> 
     }
     if not adapters:
         return RoleSpec("policy", Policy, config, POLICY_ENV, options=options)
-    held = cfg.policy.adapters_per_replica or len(adapters)
     config.lora = next(iter(adapters.values()))[0]
-    config.engine_kwargs = {**config.engine_kwargs, **multi_lora_engine_kwargs(held)}
-    options["max_models"] = held
     options["concurrent_batches"]["sample_adapter"] = cfg.policy.concurrent_batches
-    return RoleSpec("policy", MultiLoraPolicy, config, POLICY_ENV, options=options)
+    return multi_adapter_policy(config, cfg.policy.adapters_per_replica or len(adapters), options)
 
 
 main = cli.entry("serve", "apps.serve.config:ServeConfig", run, __doc__, resumable=False, failures=(RoleFailed,))

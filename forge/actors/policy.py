@@ -311,7 +311,7 @@ class Policy(ForgeActor):
         """What the engine did since it started (sums): requests, prompt tokens and how many of them
         the prefix cache held (``computed_prompt_tokens``: the prefill it did), generated tokens,
         cancels. The batched engine only (zeros for the async one)."""
-        steps = getattr(self.engine, "steps", None)
+        steps = self._steps()
         counters = steps.counters if steps is not None else EngineCounters()
         return {**dataclasses.asdict(counters), "computed_prompt_tokens": counters.computed_prompt_tokens}
 
@@ -390,9 +390,13 @@ class Policy(ForgeActor):
             record_metric("policy/update_hold_s", stall.hold_s, "sum")
             record_metric("policy/update_stalls", 1, "sum")
 
+    def _steps(self) -> Any:
+        """The batched engine's step loop (``EngineSteps``: its clock, its counters); None for the async engine."""
+        return getattr(self.engine, "steps", None)
+
     def _clock(self) -> Any:
         """The batched engine's ``StepClock``; None for the async engine."""
-        steps = getattr(self.engine, "steps", None)
+        steps = self._steps()
         return None if steps is None else steps.clock
 
     def sample_seeds(self, prompts: list[Prompt], version: int) -> list[int] | None:

@@ -250,10 +250,17 @@ class EngineSteps:
         return True
 
     def _show_progress(self) -> None:
-        for state in list(self._engine.output_processor.request_states.values()):
-            watcher = self._watchers.get(state.external_req_id)
-            if watcher is not None and state.request_index is not None:
-                watcher(state.request_index, *_tokens_so_far(state))
+        for request_id, watcher in list(self._watchers.items()):
+            for state in self._live_states(request_id):
+                watcher(state.request_index or 0, *_tokens_so_far(state))
+
+    def _live_states(self, request_id: str) -> list[Any]:
+        """vLLM's states of the request's samples still running (one per sample: vLLM splits a
+        request of ``n`` samples into child requests), found through its own id map, so a step
+        looks at the watched requests only, not at every sequence in the engine."""
+        processor = self._engine.output_processor
+        internal = processor.external_req_ids.get(request_id, ())
+        return [processor.request_states[i] for i in internal if i in processor.request_states]
 
     def _partial_output(self, request_id: str) -> Any:
         """A finished ``RequestOutput`` of what the request ``request_id`` has sampled so far (a
@@ -263,10 +270,9 @@ class EngineSteps:
 
         samples: dict[int, tuple[list[int], list[float], Any]] = {}
         prompt_ids: list[int] = []
-        for state in self._engine.output_processor.request_states.values():
-            if state.external_req_id == request_id:
-                samples[state.request_index or 0] = _tokens_so_far(state)
-                prompt_ids = list(state.prompt_token_ids or ())
+        for state in self._live_states(request_id):
+            samples[state.request_index or 0] = _tokens_so_far(state)
+            prompt_ids = list(state.prompt_token_ids or ())
         outputs = []
         for index in range(self._live.get(request_id, 1)):
             token_ids, logprobs, _ = samples.get(index, ([], [], None))  # cut short: no alternatives kept

@@ -84,7 +84,7 @@ class SamplingError(ValueError):
         self.param = param
 
 
-def check_sampling(n: int, temperature: float, max_tokens: int, top_p: float) -> None:
+def check_sampling(n: int, temperature: float, max_tokens: int, top_p: float, top_logprobs: int = 0) -> None:
     """``SamplingError`` naming the first argument out of range: what every engine call checks,
     and what a front door checks before a request joins a batch (one bad request fails a call)."""
     if n < 1:
@@ -95,6 +95,10 @@ def check_sampling(n: int, temperature: float, max_tokens: int, top_p: float) ->
         raise SamplingError("temperature", f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise SamplingError("top_p", f"top_p must be in (0, 1], got {top_p}")
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise SamplingError(
+            "top_logprobs", f"top_logprobs must be an int in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs!r}"
+        )
 
 
 def sampling_params(
@@ -115,13 +119,9 @@ def sampling_params(
     own seed (the same samples for a prompt whatever else shares its batch). ``top_logprobs``:
     how many of the most likely tokens at each position to return beside the sampled one.
     """
-    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise SamplingError(
-            "top_logprobs", f"top_logprobs must be an int in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs!r}"
-        )
     if isinstance(seed, list) and len(seed) != num_prompts:
         raise ValueError(f"seed lists {len(seed)} seeds for {num_prompts} prompts; give one per prompt")
-    check_sampling(n, temperature, max_tokens, top_p)
+    check_sampling(n, temperature, max_tokens, top_p, top_logprobs)
     bad = [t for t in stop_token_ids or () if isinstance(t, bool) or not isinstance(t, int) or t < 0]
     if bad:
         raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {bad[0]!r}")

@@ -61,7 +61,7 @@ class FrontCounts:
     def served(self, group: PackedGroup, prompt_tokens: int) -> None:
         self.answered(200)
         self.prompt_tokens += prompt_tokens
-        self.completion_tokens += sum(int(c.token_ids.numel()) for c in group.completions)
+        self.completion_tokens += int(group.token_ids.numel())  # every completion's, flat
 
 
 async def prometheus_text(policy: Any, counts: FrontCounts, waiting: int) -> bytes:

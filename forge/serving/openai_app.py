@@ -41,7 +41,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from forge.describe import describe
-from forge.generation.vllm_io import MAX_TOP_LOGPROBS, SamplingError, check_sampling
+from forge.generation.vllm_io import SamplingError, check_sampling
 from forge.serving.metrics import FrontCounts, prometheus_text
 from forge.serving.recording import RecordedTurn, Recorder, SessionRecord
 from forge.serving.sessions import SessionTurns
@@ -123,9 +123,12 @@ class OpenAIError(Exception):
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
         self.headers = headers or {}
 
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object: the response's body, or a stream's last event."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 async def parse_body(request: Request, model: Any) -> tuple[Any, set[str]]:
@@ -165,10 +168,13 @@ class PolicyFront:
         self.recorder = recorder
         self.serving = 0
         """Requests waiting for the policy service now."""
-        self.served = 0
-        """Requests answered with completions so far."""
         self.counts = FrontCounts()
         self._cancels: set[asyncio.Task] = set()
+
+    @property
+    def served(self) -> int:
+        """Requests answered with completions so far."""
+        return self.counts.responses[200]
 
     def check_key(self, request: Request) -> None:
         key = self.settings.api_key
@@ -273,9 +279,7 @@ class PolicyFront:
             top, param = body.logprobs, "logprobs"
         else:  # chat: logprobs is a bool, top_logprobs the count
             top, param = (getattr(body, "top_logprobs", None) or 0) if body.logprobs else 0, "top_logprobs"
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise OpenAIError(400, f"{param} must be in 0..{MAX_TOP_LOGPROBS}, got {top}", param=param)
-        if top and not self.settings.batched_engine:
+        if top > 0 and not self.settings.batched_engine:
             raise OpenAIError(400, f"{param} > 0 needs the policy's batched engine (engine_mode: batched)", param=param)
         if streamed and not self.settings.batched_engine:
             raise OpenAIError(
@@ -291,9 +295,10 @@ class PolicyFront:
                 raise OpenAIError(400, f"a recorded (trained) session samples n=1 at a time, got n={n}", param="n")
             temperature, top_p = self.recorder.temperature, 1.0
         try:
-            check_sampling(n, temperature, max_tokens, top_p)
+            check_sampling(n, temperature, max_tokens, top_p, top)
         except SamplingError as exc:
-            raise OpenAIError(400, str(exc), param=exc.param) from None
+            name = param if exc.param == "top_logprobs" else exc.param  # completions call the count logprobs
+            raise OpenAIError(400, str(exc).replace(exc.param, name, 1), param=name) from None
         stop = body.stop or ()
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         turn = self.sessions.prompt_ids(session, text)
@@ -354,7 +359,6 @@ class PolicyFront:
     def finish(self, prepared: Prepared, group: PackedGroup) -> list[int]:
         """Count the request served, keep its session's turn (and its record); the prompt's ids as
         the engine read them."""
-        self.served += 1
         prompt_ids = group.prompt_ids.tolist()  # what the engine sampled from: the ids sent, as it read them
         completions = group.completions
         if prepared.session is not None and len(completions) == 1 and completions[0].finish_reason != "abort":

@@ -19,7 +19,9 @@ from forge.types import Completion, PackedGroup
 __all__ = ["ChatShape", "CompletionShape", "ResponseShape", "usage"]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(group: PackedGroup, prompt_tokens: int) -> dict[str, int]:
+    """OpenAI's ``usage`` of one answered request (its completions' tokens are ``group``'s flat ids)."""
+    completion_tokens = int(group.token_ids.numel())
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -45,13 +47,12 @@ class ResponseShape:
     def response(self, group: PackedGroup, prompt_ids: list[int]) -> dict[str, Any]:
         """The whole response to ``group``, checked by vLLM's protocol class."""
         choices = [self._extended(self.choice(i, c), c) for i, c in enumerate(group.completions)]
-        completion_tokens = sum(int(c.token_ids.numel()) for c in group.completions)
         response = self.protocol_class()(
             id=self.id,
             created=self.created,
             model=self.model_name,
             choices=choices,
-            usage=usage(len(prompt_ids), completion_tokens),
+            usage=usage(group, len(prompt_ids)),
         ).model_dump(exclude_none=True)
         if self.token_ids_asked:
             response["prompt_token_ids"] = prompt_ids

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from forge.serving.shapes import usage
@@ -77,17 +77,15 @@ class _Choice:
     text: TextSoFar
     tokens: int = 0
     """Tokens streamed so far."""
-    logprobs: list[float] = field(default_factory=list)
 
 
-async def next_message(receiver: Any) -> SampledSoFar:
+async def _recv(receiver: Any) -> SampledSoFar:
     return await receiver.recv()
 
 
-async def first_event(receiver: Any, result: asyncio.Task) -> SampledSoFar | None:
-    """Wait for the request's first tokens or its end; the message, or None when it ended first
-    (its failure is then raised here: it is answered before the stream starts)."""
-    message = asyncio.ensure_future(next_message(receiver))
+async def next_or_end(receiver: Any, result: asyncio.Task) -> SampledSoFar | None:
+    """The request's next progress message, or None once it has ended first (``result`` done)."""
+    message = asyncio.ensure_future(_recv(receiver))
     try:
         await asyncio.wait({message, result}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -95,8 +93,16 @@ async def first_event(receiver: Any, result: asyncio.Task) -> SampledSoFar | Non
             message.cancel()
     if message.done() and not message.cancelled() and message.exception() is None:
         return message.result()
-    result.result()  # raises the request's failure
     return None
+
+
+async def first_event(receiver: Any, result: asyncio.Task) -> SampledSoFar | None:
+    """Wait for the request's first tokens or its end; the message, or None when it ended first
+    (its failure is then raised here: it is answered before the stream starts)."""
+    message = await next_or_end(receiver, result)
+    if message is None:
+        result.result()  # raises the request's failure
+    return message
 
 
 async def stream_answer(
@@ -117,29 +123,20 @@ async def stream_answer(
         opening = shape.first_chunk(request.n, list(request.prompt_ids or ()))
         if opening is not None:
             yield sse(opening)
-        pending = [first] if first is not None else []
+        message = first
         while True:
-            for message in pending:
-                event = _delta(shape, choices, message)
-                if event is not None:
-                    yield sse(event)
+            event = None if message is None else _delta(shape, choices, message)
+            if event is not None:
+                yield sse(event)
             if result.done():
                 break
-            message_task = asyncio.ensure_future(next_message(receiver))
-            await asyncio.wait({message_task, result}, return_when=asyncio.FIRST_COMPLETED)
-            if message_task.done() and message_task.exception() is None:
-                pending = [message_task.result()]
-            else:
-                message_task.cancel()
-                pending = []
+            message = await next_or_end(receiver, result)
         try:
             group: PackedGroup = result.result()
         except Exception as exc:  # noqa: BLE001 - after the first token: an error event ends the stream
             error = front.as_openai_error(exc)
             front.counts.answered(error.status)
-            yield sse(
-                {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
-            )
+            yield sse(error.body())
             yield sse("[DONE]")
             completed = True
             return
@@ -185,8 +182,7 @@ def _ending(shape: Any, choices: list[_Choice], group: PackedGroup, prompt_ids: 
     events.append(shape.chunk([shape.final_choice(i, c) for i, c in enumerate(group.completions)]))
     options = getattr(shape.body, "stream_options", None)
     if options is not None and getattr(options, "include_usage", False):
-        generated = sum(int(c.token_ids.numel()) for c in group.completions)
-        events.append(shape.chunk([], usage=usage(len(prompt_ids), generated)))
+        events.append(shape.chunk([], usage=usage(group, len(prompt_ids))))
     return events
 
 
