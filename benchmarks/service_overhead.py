@@ -5,10 +5,13 @@
 Reports three ratios (the goals are those of the service-core issue):
 
 - ``route_vs_call_one_latency``: median latency of ``svc.ep.route(x)`` through a 1-replica
-  service to a plain endpoint / raw Monarch ``call_one`` to the same kind of actor (goal <= 1.1).
+  service to a plain endpoint / raw Monarch ``call_one`` to the same kind of actor (goal <= 1.05).
+  The two alternate in short blocks, each first in every other round, so that both see the
+  same machine (this machine's speed drifts by more than the overhead measured); the JSON also
+  has the spread of the rounds' own ratios.
 - ``prebatch_vs_caller_batch_throughput``: N concurrent singleton ``route`` calls to a batched
   endpoint (cost: a fixed few ms per call plus a little per item, CPU-bound like a forward
-  pass) / the same items sent by the caller as ready-made batches of ``max_size`` (goal >= 0.9).
+  pass) / the same items sent by the caller as ready-made batches of ``max_size`` (goal >= 0.98).
 - ``prebatch_vs_unbatched_throughput``: the same singletons with prebatching / one message per
   item to a plain endpoint of the same cost model (goal >= 5).
 """
@@ -21,11 +24,12 @@ import json
 import statistics
 import time
 
+import forge.controller  # before monarch (see forge.controller's docstring)
+from forge.controller import Batching, ForgeActor, endpoint
+
+# isort: split
 from monarch.actor import Actor, this_host
 from monarch.actor import endpoint as monarch_endpoint
-
-import forge.controller
-from forge.controller import Batching, ForgeActor, endpoint
 
 FIXED_COST_S = 0.003
 PER_ITEM_COST_S = 0.00005
@@ -71,29 +75,36 @@ class Model(ForgeActor):
         return item + 1
 
 
-async def measure_latency(rounds: int = 5, per_round: int = 200) -> dict[str, float]:
+async def measure_latency(rounds: int = 30, per_round: int = 100) -> dict[str, float]:
     svc = await Model.options(num_replicas=1).as_service()
     procs = this_host().spawn_procs(per_host={"procs": 1}, name="raw")
     raw = procs.spawn("raw", RawEcho)
     await raw.echo.call_one(0)
     await svc.echo.route(0)
-    route_s, raw_s = [], []
-    for _ in range(rounds):  # interleaved, so both see the same machine state
-        for i in range(per_round):
-            t = time.perf_counter()
-            await svc.echo.route(i)
-            route_s.append(time.perf_counter() - t)
-        for i in range(per_round):
-            t = time.perf_counter()
-            await raw.echo.call_one(i)
-            raw_s.append(time.perf_counter() - t)
+    calls = {"route": svc.echo.route, "call_one": raw.echo.call_one}
+    seconds: dict[str, list[float]] = {"route": [], "call_one": []}
+    round_ratios = []
+    for round_ in range(rounds):  # interleaved, so both see the same machine state
+        order = ("route", "call_one") if round_ % 2 == 0 else ("call_one", "route")
+        medians = {}
+        for name in order:
+            call, block = calls[name], []
+            for i in range(per_round):
+                t = time.perf_counter()
+                await call(i)
+                block.append(time.perf_counter() - t)
+            seconds[name].extend(block)
+            medians[name] = statistics.median(block)
+        round_ratios.append(medians["route"] / medians["call_one"])
     await svc.shutdown()
     await procs.stop()
-    route_med, raw_med = statistics.median(route_s), statistics.median(raw_s)
+    route_med, raw_med = statistics.median(seconds["route"]), statistics.median(seconds["call_one"])
     return {
         "route_median_ms": route_med * 1e3,
         "call_one_median_ms": raw_med * 1e3,
         "route_vs_call_one_latency": route_med / raw_med,
+        "round_ratio_min": min(round_ratios),
+        "round_ratio_max": max(round_ratios),
     }
 
 
@@ -145,8 +156,8 @@ async def main() -> None:
     args = parser.parse_args()
     results = {**await measure_latency(), **await measure_throughput(args.items)}
     goals = {
-        "route_vs_call_one_latency": ("<=", 1.1),
-        "prebatch_vs_caller_batch_throughput": (">=", 0.9),
+        "route_vs_call_one_latency": ("<=", 1.05),
+        "prebatch_vs_caller_batch_throughput": (">=", 0.98),
         "prebatch_vs_unbatched_throughput": (">=", 5.0),
     }
     print(f"{'metric':42s} {'value':>10s}  goal")

@@ -33,7 +33,7 @@ from apps.common.roles import QUIET_ENV, ROLE_ENV, RoleFailed
 from apps.grpo.group_orders import GroupOrder, MadeGroup, MadeGroups
 from apps.grpo.groups import GroupMaker, GroupSettings, group_maker, make_with_retries
 from forge.controller import Batching, ForgeActor, ServiceInterface, ServiceView, endpoint
-from forge.controller.attach import attach, attached_service, service_view
+from forge.controller.attach import attach, attached_replicas, service_view
 
 __all__ = ["RolloutWorker", "ViewPublisher", "start_rollout_workers", "stop_rollout_workers"]
 
@@ -61,7 +61,7 @@ class RolloutWorker(ForgeActor):
         """Attach the roles' services (first call) or bring them up to date (later calls)."""
         for role, view in views.items():
             if role in self.services:
-                await attached_service(self.services[role]).apply(view)
+                await attached_replicas(self.services[role]).apply(view)
             else:
                 self.services[role] = await attach(view)
         if self.maker is None:  # the run's own group maker, over the attached services

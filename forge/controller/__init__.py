@@ -6,7 +6,7 @@ quiet logs) are in the environment when Monarch reads them.
 
 from forge.controller import _env  # noqa: F401  (must run before monarch is imported)
 from forge.controller.actor import ActorLauncher, ForgeActor
-from forge.controller.attach import AttachedService, ServiceView, attach, attached_service, service_view
+from forge.controller.attach import AttachedReplicas, ServiceView, attach, attached_replicas, service_view
 from forge.controller.batching import Batcher, Batching
 from forge.controller.endpoint import endpoint
 from forge.controller.errors import (
@@ -44,10 +44,10 @@ from forge.wire import install as _install_fast_tensors
 _install_fast_tensors()  # small tensors cross processes as numpy arrays (see forge.wire)
 
 __all__ = [
-    "AttachedService",
+    "AttachedReplicas",
     "ServiceView",
     "attach",
-    "attached_service",
+    "attached_replicas",
     "service_view",
     "ActorLauncher",
     "ActorOptions",

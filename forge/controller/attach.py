@@ -1,4 +1,4 @@
-"""A service seen from another process: ``ServiceView`` (what crosses) and ``AttachedService``.
+"""A service seen from another process: ``ServiceView`` (what crosses) and ``AttachedReplicas``.
 
 A service belongs to the process that started it, which restarts its replicas, probes their
 health and hears of their deaths from Monarch. A second process, such as a rollout worker that
@@ -7,9 +7,10 @@ runs part of the controller's loop, reaches the same replicas through an attache
     view = service_view(policy)                              # owner: a snapshot of the replicas
     policy = await attach(view)                              # worker: a ServiceInterface of its own
     group = await policy.generate.route(prompt, key=k)
-    await attached_service(policy).apply(service_view(...))  # worker: a restarted replica is back
+    await attached_replicas(policy).apply(service_view(...))  # worker: a restarted replica is back
 
-The attached service routes and prebatches with its own routers and batchers (the endpoint's
+The attached service is a plain ``Service`` whose replica source is ``AttachedReplicas``: it
+routes and prebatches with its own routers and batchers (the endpoint's
 ``Batching``), so a worker's requests cost the owner nothing. A call to a replica whose process
 died fails at once with ``ReplicaFailed`` (Monarch tells every caller), and the attached
 service stops routing there; it never restarts anything. The owner restarts the replica and
@@ -28,10 +29,11 @@ from typing import Any
 
 from forge.controller.errors import ServiceStopped
 from forge.controller.handle import ServiceInterface
+from forge.controller.lifecycle import ReplicaOwner
 from forge.controller.replica import Replica, ReplicaState
 from forge.controller.service import Service
 
-__all__ = ["AttachedService", "ReplicaView", "ServiceView", "attach", "attached_service", "service_view"]
+__all__ = ["AttachedReplicas", "ReplicaView", "ServiceView", "attach", "attached_replicas", "service_view"]
 
 logger = logging.getLogger("forge.service")
 
@@ -68,69 +70,70 @@ def service_view(service: Service | ServiceInterface) -> ServiceView:
     return ServiceView(service.actor_cls, options, service.name, replicas)
 
 
-class AttachedService(Service):
-    """A ``Service`` over replicas another process owns (see the module's docstring)."""
+class AttachedReplicas:
+    """The replica source of a service whose replicas another process owns (see the module's
+    docstring): they begin FAILED, take traffic once a view shows them live, and are never
+    restarted here."""
 
-    def __init__(self, view: ServiceView) -> None:
-        super().__init__(view.actor_cls, view.options, (), {})
-        self.name = view.name
-        for replica in self.replicas:
-            replica.spec.service_name = view.name
-            replica.state = ReplicaState.FAILED  # until a view shows it live
+    initial_state = ReplicaState.FAILED
 
-    async def start(self) -> None:
-        """Nothing to spawn: only this process's event loop and admission condition."""
-        self._loop = asyncio.get_running_loop()
-        self._capacity_changed = asyncio.Condition()
+    def __init__(self) -> None:
+        self._service: ReplicaOwner | None = None
+
+    async def start(self, service: ReplicaOwner) -> None:
+        """Nothing to spawn: the owner's views bring the replicas (``apply``)."""
+        self._service = service
 
     async def apply(self, view: ServiceView) -> None:
         """Take the owner's newer snapshot: a new generation (restarted) takes traffic here, a
         replica the owner no longer routes to stops taking it (its queued items fail with
         ``ReplicaFailed``, which callers treat as a death)."""
-        if self._stopped:
+        service = self._service
+        if service is None:
+            raise RuntimeError("apply() before the attached service started")
+        if service.stopped:
             return
-        if len(view.replicas) != len(self.replicas):
+        if len(view.replicas) != len(service.replicas):
             raise ValueError(
                 f"view of service {view.name} has {len(view.replicas)} replicas; this attached service has "
-                f"{len(self.replicas)}"
+                f"{len(service.replicas)}"
             )
-        for seen, replica in zip(view.replicas, self.replicas):
+        for seen, replica in zip(view.replicas, service.replicas):
             live = replica.accepting and replica.actor_mesh is not None
             if seen.actor_mesh is None:
                 if live:
                     replica.mark_failed(f"its owner stopped routing to generation {replica.generation}")
             elif not live or seen.generation != replica.generation:
                 await replica.attach(seen.actor_mesh, seen.generation)
-        await self._notify_capacity()
+        await service.notify_capacity()
 
-    def _on_replica_failed(self, replica: Replica) -> None:
+    def replica_failed(self, replica: Replica) -> None:
         """Not ours to restart: the owner does, and its next view brings the replica back."""
 
-    def _may_recover(self) -> bool:
+    def may_recover(self) -> bool:
         """Any replica may come back in the owner's next view; admission waits (bounded)."""
-        return not self._stopped
+        return True
 
-    async def shutdown(self) -> None:
+    async def stop(self, error: BaseException) -> None:
         """Fail what is queued here; the replicas' processes are the owner's and keep running."""
-        if self._stopped:
-            return
-        self._stopped = True
-        error = ServiceStopped(f"attached service {self.name} was shut down")
-        await asyncio.gather(*(r.detach(error) for r in self.replicas), return_exceptions=True)
-        await self._notify_capacity()
+        if self._service is not None:
+            detached = ServiceStopped(f"attached service {self._service.name} was shut down")
+            await asyncio.gather(*(r.detach(detached) for r in self._service.replicas), return_exceptions=True)
 
 
 async def attach(view: ServiceView) -> ServiceInterface:
     """A handle to the service of ``view``, for this process: its own routing and batching."""
-    service = AttachedService(view)
+    replicas = AttachedReplicas()
+    service = Service(view.actor_cls, view.options, (), {}, source=replicas, name=view.name)
     await service.start()
-    await service.apply(view)
+    await replicas.apply(view)
     return ServiceInterface(service)
 
 
-def attached_service(handle: ServiceInterface) -> AttachedService:
-    """The ``AttachedService`` behind ``handle`` (``TypeError`` for a service this process owns)."""
-    service = handle.service
-    if not isinstance(service, AttachedService):
-        raise TypeError(f"service {service.name} is owned by this process, not attached")
-    return service
+def attached_replicas(handle: ServiceInterface) -> AttachedReplicas:
+    """The replica source of an attached service's handle, to ``apply`` its owner's newer views
+    (``TypeError`` for a service this process owns)."""
+    source = handle.service.source
+    if not isinstance(source, AttachedReplicas):
+        raise TypeError(f"service {handle.service.name} is owned by this process, not attached")
+    return source

@@ -99,6 +99,8 @@ class ServiceInterface:
     def __init__(self, service: Service) -> None:
         self._service = service
         self._handles = {name: EndpointHandle(service, name) for name in service.endpoints}
+        # Found without __getattr__ (one call less per route), unless the class has the name.
+        self.__dict__.update({name: h for name, h in self._handles.items() if not hasattr(type(self), name)})
 
     def __getattr__(self, name: str) -> EndpointHandle:
         handles = self.__dict__.get("_handles", {})

@@ -6,6 +6,8 @@ and Monarch's failures as forge's errors.
   is sent, not when it is awaited); a plain endpoint's ``PlainCall`` sends its message when it
   is awaited. ``origin`` names the incarnation, so that a retry can avoid it.
 - ``BatchSender``: a replica batcher's executor for one batched endpoint, one message per batch.
+- ``ReplicaChannel``: all that the call records and the batch sender use of the replica they
+  go through (``Replica`` is one), so that this module knows nothing of replicas' lifecycles.
 - ``translate_error``: the exception Monarch raises for a failed call -> the forge error the
   caller should see (``EndpointError``, ``ReplicaFailed``, ``RequestTimeout``, ...).
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Awaitable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import cloudpickle
 from monarch.actor import ActorError
@@ -30,13 +32,13 @@ from forge.controller.errors import (
     describe,
 )
 
-if TYPE_CHECKING:
-    from forge.controller.replica import Replica
-
 try:  # the type Monarch raises when a process of the mesh died
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 except ImportError:  # pragma: no cover - layout of a future Monarch
     SupervisionError = RuntimeError  # type: ignore[misc,assignment]
+
+
+_timeout = getattr(asyncio, "timeout", None)  # 3.11+
 
 
 async def await_with_timeout(awaitable: Any, timeout: float | None) -> Any:
@@ -45,8 +47,8 @@ async def await_with_timeout(awaitable: Any, timeout: float | None) -> Any:
     ``asyncio.timeout`` (3.11+) costs no extra task per call, which matters on the hot path,
     where the timer would otherwise cost more than a local Monarch call.
     """
-    if hasattr(asyncio, "timeout"):
-        async with asyncio.timeout(timeout):
+    if _timeout is not None:
+        async with _timeout(timeout):
             return await awaitable
 
     async def _await() -> Any:
@@ -75,20 +77,33 @@ def translate_error(exc: BaseException, where: str) -> BaseException:
     return exc
 
 
+class ReplicaChannel(Protocol):
+    """The way to one replica: what a call record or a batch sender needs of it, and no more."""
+
+    replica_id: int
+    generation: int
+    actor_name: str
+    """The actor class's name, for messages."""
+
+    def dispatch(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Send one message now; return the future of its reply."""
+
+    async def await_reply(self, endpoint: str, reply: Any, timeout: float | None) -> Any:
+        """Wait for a reply, Monarch's failures turned into forge's."""
+
+    async def call(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
+        """One plain-endpoint request: one message, counted."""
+
+
 class Call(abc.ABC):
     """One request on one replica incarnation; ``await call.result(timeout)`` for its answer."""
 
-    __slots__ = ("replica", "generation", "endpoint")
-
-    def __init__(self, replica: Replica, endpoint: str) -> None:
-        self.replica = replica
-        self.generation = replica.generation
-        self.endpoint = endpoint
-
-    @property
-    def origin(self) -> tuple[int, int]:
-        """(replica id, generation) of the incarnation that holds the request."""
-        return self.replica.replica_id, self.generation
+    __slots__ = ("channel", "origin", "endpoint")
+    channel: ReplicaChannel
+    origin: tuple[int, int]
+    """(replica id, generation) of the incarnation that holds the request (each subclass sets it:
+    no ``super().__init__`` on the hot path)."""
+    endpoint: str
 
     @abc.abstractmethod
     async def result(self, timeout: float | None) -> Any:
@@ -100,9 +115,9 @@ class QueuedItem(Call):
 
     __slots__ = ("future",)
 
-    def __init__(self, replica: Replica, endpoint: str, future: asyncio.Future) -> None:
-        super().__init__(replica, endpoint)
-        self.future = future
+    def __init__(self, channel: ReplicaChannel, endpoint: str, future: asyncio.Future) -> None:
+        self.channel, self.endpoint, self.future = channel, endpoint, future
+        self.origin = (channel.replica_id, channel.generation)
 
     async def result(self, timeout: float | None) -> Any:
         if timeout is None:  # the batch's message has call_timeout_s: answered in bounded time anyway
@@ -110,8 +125,7 @@ class QueuedItem(Call):
         try:
             return await await_with_timeout(self.future, timeout)
         except asyncio.TimeoutError as exc:
-            name = f"{self.replica.spec.actor_cls.__name__}.{self.endpoint}"
-            raise RequestTimeout(f"{name}: no result within {timeout}s") from exc
+            raise RequestTimeout(f"{self.channel.actor_name}.{self.endpoint}: no result within {timeout}s") from exc
 
 
 class PlainCall(Call):
@@ -119,13 +133,12 @@ class PlainCall(Call):
 
     __slots__ = ("args", "kwargs")
 
-    def __init__(self, replica: Replica, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        super().__init__(replica, endpoint)
-        self.args = args
-        self.kwargs = kwargs
+    def __init__(self, channel: ReplicaChannel, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        self.channel, self.endpoint, self.args, self.kwargs = channel, endpoint, args, kwargs
+        self.origin = (channel.replica_id, channel.generation)
 
-    async def result(self, timeout: float | None) -> Any:
-        return await self.replica.call(self.endpoint, self.args, self.kwargs, timeout)
+    def result(self, timeout: float | None) -> Awaitable[Any]:
+        return self.channel.call(self.endpoint, self.args, self.kwargs, timeout)  # no frame of its own
 
 
 class BatchSender:
@@ -138,14 +151,15 @@ class BatchSender:
     fail alone with ``UnsendableArgument``.
     """
 
-    def __init__(self, replica: Replica, spec: EndpointSpec) -> None:
+    def __init__(self, channel: ReplicaChannel, spec: EndpointSpec, actor_cls: type, timeout: float | None) -> None:
+        """``actor_cls``: where the endpoint's own batch assembly is found; ``timeout``: each batch's message's."""
         assert spec.batching is not None
-        self.replica = replica
+        self.channel = channel
         self.endpoint = spec.name
-        self.name = f"{replica.spec.actor_cls.__name__}.{spec.name}"
+        self.name = f"{actor_cls.__name__}.{spec.name}"
         self.multiplexed = spec.multiplexed
-        self.enbatch, self.debatch = spec.batching.resolve_assembly(replica.spec.actor_cls)
-        self.timeout = replica.spec.options.call_timeout_s
+        self.enbatch, self.debatch = spec.batching.resolve_assembly(actor_cls)
+        self.timeout = timeout
 
     def __call__(self, items: list[Any], key: Hashable) -> Awaitable[Sequence[Any]]:
         try:
@@ -159,10 +173,10 @@ class BatchSender:
     def _send(self, items: list[Any], key: Hashable) -> Any:
         """Send the batch's message now; return the future of its reply."""
         payload = self.enbatch(items) if self.enbatch is not None else items
-        return self.replica.dispatch(self.endpoint, (key, payload) if self.multiplexed else (payload,), {})
+        return self.channel.dispatch(self.endpoint, (key, payload) if self.multiplexed else (payload,), {})
 
     async def _results(self, reply: Any, n: int) -> Sequence[Any]:
-        result = await self.replica.await_reply(self.endpoint, reply, self.timeout)
+        result = await self.channel.await_reply(self.endpoint, reply, self.timeout)
         return self.debatch(result, n) if self.debatch is not None else result
 
     async def _without_unsendable(self, items: list[Any], key: Hashable) -> list[Any]:

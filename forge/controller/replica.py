@@ -28,7 +28,7 @@ from monarch.actor import ActorError, ProcMesh
 
 from forge.controller.batching import Batcher
 from forge.controller.endpoint import EndpointSpec
-from forge.controller.errors import ReplicaFailed, ServiceStopped, describe
+from forge.controller.errors import ReplicaFailed, RequestTimeout, ServiceStopped, describe
 from forge.controller.messages import BatchSender, Call, PlainCall, QueuedItem, await_with_timeout, translate_error
 from forge.controller.metrics import EndpointCounters, endpoint_sums
 from forge.controller.model_cache import ReplicaModels
@@ -36,9 +36,16 @@ from forge.controller.multiplex import LOAD_ENDPOINT, Multiplexing
 from forge.controller.options import ActorOptions
 from forge.controller.process_watch import ProcessIdentity, first_gone, watchable
 from forge.controller.provisioner import place_replica
+from forge.controller.waiters import TIMED_OUT, Waiters
 
 logger = logging.getLogger("forge.replica")
 _ABORT = "forge: replica failed"
+
+
+def _uncancel(task: asyncio.Task) -> None:
+    """The cancel was ours, and is answered with an error instead (3.11+: the task forgets it)."""
+    if hasattr(task, "uncancel"):
+        task.uncancel()
 
 
 class ReplicaState(str, enum.Enum):
@@ -47,6 +54,10 @@ class ReplicaState(str, enum.Enum):
     RECOVERING = "recovering"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+_SERVING = frozenset((ReplicaState.HEALTHY, ReplicaState.RECOVERING))
+"""States in which a replica's actor mesh takes messages (RECOVERING: its resync's)."""
 
 
 @dataclass
@@ -71,11 +82,20 @@ class Replica:
     """Bumped on every state change of any replica: a service keeps its list of healthy replicas
     until this moves, instead of scanning all of them per request (1,000 replicas)."""
 
-    def __init__(self, replica_id: int, spec: ReplicaSpec, on_failure: Callable[[Replica], None] | None = None) -> None:
-        """``on_failure(replica)`` runs when the replica fails (the service schedules its restart)."""
+    def __init__(
+        self,
+        replica_id: int,
+        spec: ReplicaSpec,
+        on_failure: Callable[[Replica], None] | None = None,
+        state: ReplicaState = ReplicaState.STARTING,
+    ) -> None:
+        """``on_failure(replica)`` runs when the replica fails (the service schedules its restart).
+        ``state``: where it begins (an attached replica is FAILED until a view shows it live)."""
         self.replica_id = replica_id
         self.spec = spec
-        self.state = ReplicaState.STARTING
+        self.actor_name = spec.actor_cls.__name__
+        self._one_rank = spec.options.ranks == 1
+        self.state = state
         self.generation = 0
         self.proc_mesh: ProcMesh | None = None
         self.actor_mesh: Any = None
@@ -91,8 +111,7 @@ class Replica:
         self.processes: list[ProcessIdentity] = []
         """Its live generation's processes that the controller's host can see (``gone_process``)."""
         self.last_progress = time.monotonic()  # last answer of any kind from the replica
-        self._calls: set[asyncio.Task] = set()  # tasks awaiting this replica's answers
-        self._in_flight = 0
+        self._waiters = Waiters(spec.options.call_timeout_s)  # tasks awaiting this replica's answers
         self.version: int | None = None
         """The version it serves (of weights, say), as the service recorded it; None: not known.
         Version-aware routers read it (``forge.controller.versions``)."""
@@ -116,7 +135,8 @@ class Replica:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        """Requests it holds now, counted once: per endpoint (``EndpointCounters.in_flight``)."""
+        return sum([c.in_flight for c in self.counters.values()])
 
     @property
     def accepting(self) -> bool:
@@ -182,9 +202,14 @@ class Replica:
         for ep in batched:
             label = f"{cls_name}.{ep.name}@r{self.replica_id}"
             if self.models is not None and ep.multiplexed:
-                self.batchers[ep.name] = self.models.batcher(ep.batching, BatchSender(self, ep), name=label)
+                self.batchers[ep.name] = self.models.batcher(ep.batching, self._batch_sender(ep), name=label)
             else:
-                self.batchers[ep.name] = Batcher(ep.batching, BatchSender(self, ep), name=label, send_full=ep.send_full)
+                self.batchers[ep.name] = Batcher(
+                    ep.batching, self._batch_sender(ep), name=label, send_full=ep.send_full
+                )
+
+    def _batch_sender(self, endpoint: EndpointSpec) -> BatchSender:
+        return BatchSender(self, endpoint, self.spec.actor_cls, self.spec.options.call_timeout_s)
 
     def mark_failed(self, reason: str) -> None:
         """The process died: stop taking traffic; queued batch items fail with ``ReplicaFailed``."""
@@ -197,8 +222,7 @@ class Replica:
         error = ReplicaFailed(f"replica {self.replica_id} of {self.spec.service_name} failed: {reason}")
         for batcher in self.batchers.values():
             asyncio.get_running_loop().create_task(batcher.close(error))
-        for task in list(self._calls):  # answers that will never come: stop waiting for them
-            task.cancel(msg=_ABORT)
+        self._waiters.cancel_all(_ABORT)  # answers that will never come: stop waiting for them
         if self.on_failure is not None:
             self.on_failure(self)
 
@@ -278,18 +302,18 @@ class Replica:
 
     async def call(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
         """One plain-endpoint request: one Monarch message."""
-        counters = self._counters(endpoint)
+        counters = self.counters.get(endpoint) or self._counters(endpoint)
         counters.requests += 1
         counters.in_flight += 1
-        self._in_flight += 1
         try:
-            return await self.await_reply(endpoint, self.dispatch(endpoint, args, kwargs), timeout)
+            reply = self._message(endpoint, args, kwargs)
+            counters.messages += 1
+            return await self.await_reply(endpoint, reply, timeout)
         except BaseException:
             counters.errors += 1
             raise
         finally:
             counters.in_flight -= 1
-            self._in_flight -= 1
 
     def enqueue(self, endpoint: str, item: Any, batch_key: Hashable) -> QueuedItem:
         """One batched-endpoint request: queued here, sent as part of a batch.
@@ -305,11 +329,9 @@ class Replica:
             future.set_exception(exc)
         counters = self._counters(endpoint)
         counters.in_flight += 1
-        self._in_flight += 1
 
         def done(_: asyncio.Future) -> None:
             counters.in_flight -= 1
-            self._in_flight -= 1
 
         future.add_done_callback(done)
         return QueuedItem(self, endpoint, future)
@@ -320,46 +342,54 @@ class Replica:
 
     def dispatch(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """Send one message now (Monarch sends on call); return the future of its reply."""
-        where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
-        if self.actor_mesh is None or self.state not in (ReplicaState.HEALTHY, ReplicaState.RECOVERING):
-            raise ReplicaFailed(f"{where}: replica is {self.state.value}")
-        ep = getattr(self.actor_mesh, endpoint)
+        reply = self._message(endpoint, args, kwargs)
         self._counters(endpoint).messages += 1
+        return reply
+
+    def _message(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if self.actor_mesh is None or self._state not in _SERVING:
+            raise ReplicaFailed(f"{self._where(endpoint)}: replica is {self.state.value}")
+        ep = getattr(self.actor_mesh, endpoint)
         try:
-            return ep.call_one(*args, **kwargs) if self.spec.options.ranks == 1 else ep.call(*args, **kwargs)
+            return ep.call_one(*args, **kwargs) if self._one_rank else ep.call(*args, **kwargs)
         except BaseException as exc:
-            raise self._failed_call(exc, where) from exc
+            raise self._failed_call(exc, self._where(endpoint)) from exc
 
     async def await_reply(self, endpoint: str, reply: Any, timeout: float | None) -> Any:
         """Wait for a reply, turning Monarch's failures into forge's (see ``translate_error``).
 
-        The waiting task is registered while it waits, so that ``mark_failed`` can stop it at
-        once (``_ABORT``) instead of leaving it to a timeout for an answer that will never come.
+        The waiting task is registered while it waits (``forge.controller.waiters``): so that
+        ``mark_failed`` can stop it at once (``_ABORT``) instead of leaving it to a timeout for
+        an answer that will never come, and so that the usual timeout costs no timer of its own.
         """
-        where = f"{self.spec.actor_cls.__name__}.{endpoint}@r{self.replica_id}"
         task = asyncio.current_task()
-        self._calls.add(task)  # type: ignore[arg-type]
+        assert task is not None
         try:
-            result = await await_with_timeout(reply, timeout)
-            if self.spec.options.ranks != 1:
+            if self._waiters.add(task, timeout):
+                result = await await_with_timeout(reply, timeout)
+            else:
+                result = await reply
+            if not self._one_rank:
                 result = next(iter(result.values()))  # rank 0's result
             self.last_progress = time.monotonic()
             return result
         except asyncio.CancelledError as exc:
+            if exc.args == (TIMED_OUT,):
+                _uncancel(task)
+                raise RequestTimeout(f"{self._where(endpoint)}: no answer within {timeout}s") from None
             if exc.args == (_ABORT,) and self.state is ReplicaState.FAILED:
-                if hasattr(task, "uncancel"):
-                    task.uncancel()  # type: ignore[union-attr]
+                _uncancel(task)
                 raise ReplicaFailed(
-                    f"{where}: the replica failed while this request was in flight: {self.failure}"
+                    f"{self._where(endpoint)}: the replica failed while this request was in flight: {self.failure}"
                 ) from None
             raise
         except BaseException as exc:
-            self._calls.discard(task)  # type: ignore[arg-type]  # don't abort ourselves below
+            self._waiters.discard(task)  # don't abort ourselves below
             if isinstance(exc, ActorError):  # the replica answered, with an error
                 self.last_progress = time.monotonic()
-            raise self._failed_call(exc, where) from exc
+            raise self._failed_call(exc, self._where(endpoint)) from exc
         finally:
-            self._calls.discard(task)  # type: ignore[arg-type]
+            self._waiters.discard(task)
 
     def gone_process(self) -> ProcessIdentity | None:
         """One of its processes that no longer runs, seen by this host's OS (None: all run, or none
@@ -375,6 +405,9 @@ class Replica:
             return False
         self.last_progress = time.monotonic()
         return True
+
+    def _where(self, endpoint: str) -> str:
+        return f"{self.actor_name}.{endpoint}@r{self.replica_id}"
 
     def _failed_call(self, exc: BaseException, where: str) -> BaseException:
         if isinstance(exc, asyncio.CancelledError):
@@ -399,7 +432,7 @@ class Replica:
         result = {
             "state": self.state.value,
             "generation": self.generation,
-            "in_flight": self._in_flight,
+            "in_flight": self.in_flight,
             "endpoints": {name: endpoint_sums(self._counters(name), self.batchers.get(name)) for name in names},
         }
         if self.models is not None:

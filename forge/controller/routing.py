@@ -49,7 +49,7 @@ import math
 import random
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from forge.checks import check_int
 from forge.controller.hash_ring import HashRing, index_by_id, rendezvous_score, stable_hash
@@ -86,9 +86,8 @@ class ReplicaView(Protocol):
     def has_forming(self, endpoint: str, key: Hashable) -> bool: ...
 
 
-@dataclass(frozen=True)
-class RouteRequest:
-    """One request as a router sees it."""
+class RouteRequest(NamedTuple):
+    """One request as a router sees it (a named tuple: immutable, and one call to make per route)."""
 
     endpoint: str
     key: Hashable = None

@@ -36,16 +36,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hasha
 from dataclasses import dataclass, field
 from typing import Any
 
-from monarch.actor import MeshFailure
-
 from forge.controller.endpoint import EndpointSpec, endpoint_specs, with_concurrent_batches
-from forge.controller.errors import NoHealthyReplica, Overloaded, ReplicaFailed, ServiceStopped, describe
-from forge.controller.messages import Call
+from forge.controller.errors import NoHealthyReplica, Overloaded, ReplicaFailed, ServiceStopped
+from forge.controller.lifecycle import OwnedReplicas, ReplicaSource
+from forge.controller.messages import Call, PlainCall
 from forge.controller.metrics import service_metrics
 from forge.controller.multiplex import check_multiplexing
 from forge.controller.options import ActorOptions
-from forge.controller.provisioner import add_fault_listener, remove_fault_listener, replica_gpus
-from forge.controller.replica import Replica, ReplicaSpec, ReplicaState
+from forge.controller.provisioner import replica_gpus
+from forge.controller.replica import Replica, ReplicaSpec
 from forge.controller.routing import Pins, Router, RouteRequest, RouteTrace, make_router
 
 logger = logging.getLogger("forge.service")
@@ -54,7 +53,7 @@ _current_session: contextvars.ContextVar[str | None] = contextvars.ContextVar("f
 _service_ids = itertools.count()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Request:
     """One caller's request, from ``route`` to its answer, resends included."""
 
@@ -79,28 +78,26 @@ async def _raise(error: BaseException) -> Any:
     raise error
 
 
-def _check_arguments(name: str, spec: EndpointSpec, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """A batched endpoint takes one item; a plain one its method's arguments."""
-    if spec.batched:
-        if len(args) != 1 or kwargs:
-            raise TypeError(
-                f"{name} is batched: route() takes exactly one item "
-                f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments)"
-            )
-    elif spec.signature is not None:
-        try:
-            spec.signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{name}{spec.signature}: {exc}") from None
-
-
 class Service:
     """Replicas of one actor class, their routers, and the request paths through them."""
 
-    def __init__(self, actor_cls: type, options: ActorOptions, args: tuple, kwargs: dict) -> None:
+    def __init__(
+        self,
+        actor_cls: type,
+        options: ActorOptions,
+        args: tuple,
+        kwargs: dict,
+        *,
+        source: ReplicaSource | None = None,
+        name: str | None = None,
+    ) -> None:
+        """``source``: who starts, restarts and stops the replicas (``forge.controller.lifecycle``;
+        default: this process, ``OwnedReplicas``). ``name``: the service's, when it has one already
+        (an attached service takes its owner's)."""
         self.actor_cls = actor_cls
         self.options = options
-        self.name = f"{options.name or actor_cls.__name__.lower()}{next(_service_ids)}"
+        self.source: ReplicaSource = source if source is not None else OwnedReplicas()
+        self.name = name or f"{options.name or actor_cls.__name__.lower()}{next(_service_ids)}"
         self.endpoints: dict[str, EndpointSpec] = with_concurrent_batches(
             endpoint_specs(actor_cls), options.concurrent_batches, actor_cls.__name__
         )
@@ -116,57 +113,43 @@ class Service:
         self._routers: dict[str, Router] = {}
         gpus = replica_gpus(options, options.num_replicas)
         spec = ReplicaSpec(actor_cls, args, kwargs, options, self.endpoints, self.name, multiplexing=self.multiplexing)
+        state = self.source.initial_state
         self.replicas = [
-            Replica(i, dataclasses.replace(spec, gpus=gpus[i]), on_failure=self._on_replica_failed)
+            Replica(i, dataclasses.replace(spec, gpus=gpus[i]), on_failure=self.source.replica_failed, state=state)
             for i in range(options.num_replicas)
         ]
         self._healthy: list[Replica] = []
         self._healthy_as_of = -1  # the Replica.state_changes that _healthy was computed at
         self._sessions = Pins()  # svc.session(): each open session's replica
         self._stopped = False
-        self._fault_listener = self._on_mesh_failure
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._context = contextvars.copy_context()
-        self._resync: Callable[[Any], Awaitable[Any]] | None = None
-        self._recoveries: dict[int, asyncio.Task] = {}
-        self._health_task: asyncio.Task | None = None
+        self.resync: Callable[[Any], Awaitable[Any]] | None = None
+        """Runs on a restarted replica before it takes traffic (``set_resync``)."""
         self._capacity_changed: asyncio.Condition | None = None
         self._waiting = 0
-        self.recovery_log: list[dict[str, float]] = []
         self.retried = 0  # requests resent after their replica died
         self._replica_listeners: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------- lifecycle
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
     async def start(self) -> None:
-        """Start every replica concurrently; if any fails to start, stop all and raise."""
-        self._loop = asyncio.get_running_loop()
-        # Monarch's fault hook runs on Monarch's thread with Monarch's own context variables;
-        # failure handling and restarts must run in the context the service was started in.
-        self._context = contextvars.copy_context()
+        """Bring the replicas up through the source; if that fails, stop everything and raise."""
         self._capacity_changed = asyncio.Condition()
-        add_fault_listener(self._fault_listener)
-        results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
-        errors = [e for e in results if isinstance(e, BaseException)]
-        if errors:
+        try:
+            await self.source.start(self)
+        except BaseException:
             await self.shutdown()
-            raise errors[0]
-        if self.options.health_interval_s is not None:
-            self._health_task = self._context.copy().run(asyncio.get_running_loop().create_task, self._health_loop())
-        logger.info("service %s: %d replica(s) of %s ready", self.name, len(self.replicas), self.actor_cls.__name__)
+            raise
 
     async def shutdown(self) -> None:
         """Stop every replica; queued requests fail with ``ServiceStopped``. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
-        error = ServiceStopped(f"service {self.name} was shut down")
-        background = [*self._recoveries.values(), *([self._health_task] if self._health_task else [])]
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        await asyncio.gather(*(r.stop(error) for r in self.replicas), return_exceptions=True)
-        remove_fault_listener(self._fault_listener)
-        await self._notify_capacity()
+        await self.source.stop(ServiceStopped(f"service {self.name} was shut down"))
+        await self.notify_capacity()
 
     def set_resync(self, resync: Callable[[Any], Awaitable[Any]] | None) -> None:
         """``await resync(actor_mesh)`` runs on a restarted replica before it takes traffic,
@@ -175,7 +158,7 @@ class Service:
         returns is the version the replica serves then (``record_version``)."""
         if resync is not None and not callable(resync):
             raise TypeError(f"set_resync needs an async callable taking the replica's actor mesh, got {resync!r}")
-        self._resync = resync
+        self.resync = resync
 
     def record_version(self, replica: Replica, version: int) -> None:
         """``replica`` serves ``version`` now (its caller loaded it there): version-aware routers
@@ -202,105 +185,16 @@ class Service:
             raise TypeError(f"add_replica_listener needs a callable taking no arguments, got {listener!r}")
         self._replica_listeners.append(listener)
 
-    def _replicas_changed(self) -> None:
+    def replicas_changed(self) -> None:
+        """A replica failed, or is back: tell the listeners (``add_replica_listener``)."""
         for listener in list(self._replica_listeners):
             try:
                 listener()
             except Exception:  # noqa: BLE001 - a listener's bug must not stop a restart
                 logger.exception("service %s: a replica listener failed", self.name)
 
-    # ----------------------------------------------------------- failures
-    def _on_mesh_failure(self, failure: MeshFailure) -> bool:
-        """Monarch's fault hook (called on Monarch's own thread): hand over to our loop."""
-        mesh_name = str(getattr(failure, "mesh_name", ""))
-        for replica in self.replicas:
-            if replica.owns_mesh(mesh_name):
-                if self._loop is not None and not self._loop.is_closed():
-                    reason = f"its process died ({describe(failure, limit=300)})"
-                    self._loop.call_soon_threadsafe(replica.mark_failed, reason, context=self._context.copy())
-                return True
-        return False
-
-    def _on_replica_failed(self, replica: Replica) -> None:
-        """A replica's process died: restart it in the background (with backoff)."""
-        if self._stopped or replica.replica_id in self._recoveries:
-            return
-        self._replicas_changed()
-        loop = asyncio.get_running_loop()
-        task = self._context.copy().run(loop.create_task, self._recover(replica), name=f"{replica.mesh_name}-recover")
-        self._recoveries[replica.replica_id] = task
-        task.add_done_callback(lambda _: self._recoveries.pop(replica.replica_id, None))
-
-    async def _recover(self, replica: Replica) -> None:
-        """The restart policy: back off (doubling per failed try, at most 30 s), give up after
-        ``max_restarts``; the replica itself restarts, resyncs and rejoins."""
-        failed_at = replica.failed_at or time.monotonic()
-        attempt = 0
-        while not self._stopped:
-            if replica.restarts >= self.options.max_restarts:
-                if self.options.max_restarts == 0:
-                    logger.error("replica %s failed; max_restarts=0 allows no restart", replica.mesh_name)
-                else:
-                    logger.error(
-                        "replica %s failed again after %d restarts (max_restarts=%d); not restarting it again",
-                        replica.mesh_name,
-                        replica.restarts,
-                        self.options.max_restarts,
-                    )
-                await self._notify_capacity()
-                return
-            await asyncio.sleep(min(self.options.restart_backoff_s * 2**attempt, 30.0))
-            try:
-                await replica.restart(self._resync)
-            except Exception as exc:
-                attempt += 1
-                logger.warning(
-                    "restarting replica %s failed (%s); retrying",
-                    replica.mesh_name,
-                    describe(exc),
-                    exc_info=logger.isEnabledFor(logging.DEBUG),
-                )
-                continue
-            self.recovery_log.append({"replica": replica.replica_id, "recovery_s": time.monotonic() - failed_at})
-            logger.info("replica %s is back after %.1fs", replica.mesh_name, time.monotonic() - failed_at)
-            self._replicas_changed()
-            await self._notify_capacity()
-            return
-
-    async def _health_loop(self) -> None:
-        """Fail replicas whose process is gone, and those that neither answer probes nor finish
-        requests for health_timeout_s.
-
-        Monarch reports a dead *process* by itself, but on a loaded machine its report can lag by
-        tens of seconds; a process on this host is seen gone at the next interval instead
-        (``forge.controller.process_watch``). The probes catch the silent cases, such as a host
-        whose worker died and took the replica's process out of Monarch's sight.
-        """
-        interval, limit = self.options.health_interval_s, self.options.health_timeout_s
-        while not self._stopped:
-            await asyncio.sleep(interval)
-            for replica in self.replicas:
-                gone = replica.gone_process() if replica.state is ReplicaState.HEALTHY else None
-                if gone is not None:
-                    replica.mark_failed(
-                        f"its process {gone.pid} on {gone.hostname} is gone (seen by the process watch)"
-                    )
-            now = time.monotonic()
-            due = [r for r in self.replicas if r.state is ReplicaState.HEALTHY and now - r.last_progress >= interval]
-            answers = await asyncio.gather(*(r.probe(limit) for r in due))
-            for replica, alive in zip(due, answers):
-                if (
-                    not alive
-                    and replica.state is ReplicaState.HEALTHY
-                    and time.monotonic() - replica.last_progress >= limit
-                ):
-                    reason = f"no answer for {limit:.0f}s"
-                    if self.options.host_pool is not None and replica.host_indices:
-                        blamed = self.options.host_pool.blame(replica.host_indices)
-                        reason += f" ({blamed})" if blamed else ""
-                    replica.mark_failed(reason)
-
-    async def _notify_capacity(self) -> None:
+    async def notify_capacity(self) -> None:
+        """A replica has room again, or came back, or will not: callers waiting for admission look again."""
         if self._capacity_changed is not None:
             async with self._capacity_changed:
                 self._capacity_changed.notify_all()
@@ -324,7 +218,8 @@ class Service:
         return self._healthy
 
     def _candidates(self, exclude: set[tuple[int, int]]) -> list[Replica]:
-        healthy, limit = self.healthy_replicas(), self.options.max_in_flight_per_replica
+        healthy = self._healthy if self._healthy_as_of == Replica.state_changes else self.healthy_replicas()
+        limit = self.options.max_in_flight_per_replica
         if not exclude and limit is None:
             return healthy
         return [
@@ -390,7 +285,9 @@ class Service:
         while True:
             call, request.sent = request.sent, None
             if call is None:
-                call = self._send(request, await self._admit(request))
+                # The common case without a coroutine of its own: a replica has room, no one waits.
+                candidates = None if self._stopped or self._waiting else self._candidates(request.tried)
+                call = self._send(request, candidates or await self._admit(request))
             try:
                 return await call.result(request.timeout)
             except ReplicaFailed as exc:
@@ -402,12 +299,15 @@ class Service:
                 logger.info("retrying %s.%s on another replica: %s", self.actor_cls.__name__, request.spec.name, exc)
             finally:
                 if self._waiting:  # a replica has room again: let a caller waiting for admission in
-                    await self._notify_capacity()
+                    await self.notify_capacity()
 
     def _send(self, request: _Request, candidates: list[Replica]) -> Call:
         """Route the request among ``candidates`` and send it (a batched item joins its queue)."""
-        replica = self.choose(request.route, candidates)
-        call = replica.send(request.spec.name, request.args, request.kwargs, request.route.batch_key)
+        replica, spec = self.choose(request.route, candidates), request.spec
+        if spec.batched:
+            call: Call = replica.enqueue(spec.name, request.args[0], request.route.batch_key)
+        else:
+            call = PlainCall(replica, spec.name, request.args, request.kwargs)
         if request.trace is not None:
             request.trace.replica_id = replica.replica_id
             request.trace.tries += 1
@@ -437,7 +337,7 @@ class Service:
                     candidates = self._candidates(exclude)
                     if candidates:
                         return candidates
-                    if not self._may_recover():
+                    if not self.source.may_recover():
                         states = {r.replica_id: r.state.value for r in self.replicas}
                         raise NoHealthyReplica(
                             f"service {self.name} has no replica that can take {endpoint!r}: {states}"
@@ -449,11 +349,6 @@ class Service:
                         await asyncio.wait_for(self._capacity_changed.wait(), remaining)
         finally:
             self._waiting -= 1
-
-    def _may_recover(self) -> bool:
-        """Whether some replica takes traffic now or may again (starting, resyncing, restarting)."""
-        live = (ReplicaState.STARTING, ReplicaState.RECOVERING, ReplicaState.HEALTHY)
-        return any(r.state in live or r.replica_id in self._recoveries for r in self.replicas)
 
     def _admission_timeout(self) -> Exception:
         """The error of a caller that waited ``queue_timeout_s`` for admission in vain."""
@@ -474,22 +369,29 @@ class Service:
         timeout: float | None,
     ) -> _Request:
         """The call as one ``_Request``; a call that does not fit the endpoint fails here, naming it."""
-        name = f"{self.actor_cls.__name__}.{spec.name}"
         if spec.multiplexed:  # the model that must serve the item routes it and is its batch queue
             kwargs = dict(kwargs)
             model_id = kwargs.pop("model_id", None)
             if model_id is None or key is not None or batch_key is not None:
                 raise TypeError(
-                    f"{name} is multiplexed: name the model that serves the item with model_id=... (it routes the "
-                    f'item and picks its batch queue; no key= or batch_key=), e.g. route(x, model_id="m7")'
+                    f"{self._qualified(spec)} is multiplexed: name the model that serves the item with "
+                    f"model_id=... (it routes the item and picks its batch queue; no key= or batch_key=), "
+                    f'e.g. route(x, model_id="m7")'
                 )
             key = batch_key = model_id
         elif batch_key is not None and not spec.batched:
             raise TypeError(
-                f"{name} is not batched: batch_key= picks a batch queue, which only batched endpoints have "
-                f"(got batch_key={batch_key!r})"
+                f"{self._qualified(spec)} is not batched: batch_key= picks a batch queue, which only batched "
+                f"endpoints have (got batch_key={batch_key!r})"
             )
-        _check_arguments(name, spec, args, kwargs)
+        if spec.batched:
+            if len(args) != 1 or kwargs:
+                raise TypeError(
+                    f"{self._qualified(spec)} is batched: route() takes exactly one item "
+                    f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments)"
+                )
+        else:
+            spec.check_call(self.actor_cls.__name__, args, kwargs)
         # A batched request without its own timeout arms no timer: each batch's message has
         # call_timeout_s, so every queued item is answered or failed in bounded time anyway,
         # and 2,000 queued singletons don't pay for 2,000 timers.
@@ -497,6 +399,9 @@ class Service:
             timeout = self.options.call_timeout_s
         retries = self.options.max_retries if spec.retry else 0
         return _Request(spec, args, kwargs, RouteRequest(spec.name, key, batch_key), timeout, retries)
+
+    def _qualified(self, spec: EndpointSpec) -> str:
+        return f"{self.actor_cls.__name__}.{spec.name}"
 
     async def fanout(
         self,

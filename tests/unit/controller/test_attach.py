@@ -23,7 +23,7 @@ from forge.controller import (
     ReplicaState,
     ServiceView,
     attach,
-    attached_service,
+    attached_replicas,
     endpoint,
     service_view,
 )
@@ -74,7 +74,7 @@ class Caller(ForgeActor):
 
     @endpoint
     async def update(self, view: ServiceView) -> None:
-        await attached_service(self.adder).apply(view)
+        await attached_replicas(self.adder).apply(view)
 
     @endpoint(concurrent=True)
     async def add_all(self, items: list[int]) -> list[int]:
@@ -197,7 +197,7 @@ async def test_with_no_live_replica_in_its_view_an_attached_caller_waits_then_sa
     handle = await attach(view)
     with pytest.raises(NoHealthyReplica, match=view.name):
         await handle.add_one.route(1)
-    await attached_service(handle).apply(service_view(owner))
+    await attached_replicas(handle).apply(service_view(owner))
     assert await handle.add_one.route(1) == 2
     await handle.shutdown()
     assert all(r.state is ReplicaState.HEALTHY for r in owner.service.replicas)  # the owner's are untouched
@@ -208,9 +208,9 @@ async def test_a_view_of_another_shape_is_refused(owner):
     handle = await attach(view)
     view.replicas = view.replicas[:1]
     with pytest.raises(ValueError, match="has 1 replicas; this attached service has 2"):
-        await attached_service(handle).apply(view)
+        await attached_replicas(handle).apply(view)
     with pytest.raises(TypeError, match="owned by this process"):
-        attached_service(owner)
+        attached_replicas(owner)
     await handle.shutdown()
 
 
@@ -225,10 +225,10 @@ async def test_a_view_swaps_in_a_restarted_generation_and_drops_a_replica_no_lon
     generation 1 (its mesh); one the view shows without a mesh stops taking traffic here."""
     first, restarted, other = object(), object(), object()
     handle = await attach(_view([first, other], [0, 0]))
-    replicas = attached_service(handle).replicas
+    replicas = handle.service.replicas
     assert [(r.actor_mesh, r.generation, r.accepting) for r in replicas] == [(first, 0, True), (other, 0, True)]
-    await attached_service(handle).apply(_view([restarted, None], [1, 0]))
+    await attached_replicas(handle).apply(_view([restarted, None], [1, 0]))
     assert (replicas[0].actor_mesh, replicas[0].generation) == (restarted, 1)
     assert replicas[0].accepting and not replicas[1].accepting
-    assert attached_service(handle).healthy_replicas() == [replicas[0]]
+    assert handle.service.healthy_replicas() == [replicas[0]]
     await handle.shutdown()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import psutil
 import pytest
@@ -119,7 +120,7 @@ async def test_killed_replica_loses_no_request_and_comes_back():
         pids = await svc.pid.fanout()
         assert len(set(pids)) == 3 and victim_pid not in pids
         # One recovery, the victim's (how long it took is docs/benchmarks.md's, not a test's).
-        assert [entry["replica"] for entry in svc.service.recovery_log] == [victim.replica_id]
+        assert [entry["replica"] for entry in svc.service.source.recovery_log] == [victim.replica_id]
     finally:
         await svc.shutdown()
 
@@ -303,7 +304,7 @@ async def test_restarted_replica_resyncs_before_taking_traffic():
         os.kill(pid, signal.SIGKILL)
         answers, states = [], set()
         deadline = time.monotonic() + 30
-        while not svc.service.recovery_log:  # until the restart, resync included, is done
+        while not svc.service.source.recovery_log:  # until the restart, resync included, is done
             assert time.monotonic() < deadline, "the replica did not recover in time"
             states.add(victim.state)
             answers.append(await bounded(svc.get_value.route(), "an answer while a replica recovers", 10))
@@ -356,6 +357,34 @@ async def test_per_call_timeout():
             await bounded(svc.slow.route(1, timeout=0.1), "RequestTimeout of a plain call")
         with pytest.raises(RequestTimeout):
             await bounded(svc.work.route(1, timeout=1e-6), "RequestTimeout of a batched item")
+    finally:
+        await svc.shutdown()
+
+
+async def test_the_call_timeout_fails_each_wait_at_its_own_deadline():
+    """``call_timeout_s``, which every call without a timeout of its own gets, is kept by one timer
+    per replica (``forge.controller.waiters``): a wait that began later fails later, not with the
+    first; the replica serves on, and no wait is left registered."""
+    svc = await Worker.options(num_replicas=1, call_timeout_s=0.6).as_service()
+    loop = asyncio.get_running_loop()
+
+    async def seconds_to_timeout(call: Any) -> float | None:
+        start = loop.time()
+        try:
+            await call
+        except RequestTimeout:
+            return loop.time() - start
+        return None  # answered: the 1 s endpoint outlived no timeout
+
+    try:
+        first = asyncio.ensure_future(seconds_to_timeout(svc.slow.route(1)))  # slow: 1 s
+        await asyncio.sleep(0.3)
+        second = asyncio.ensure_future(seconds_to_timeout(svc.slow.route(2)))
+        waits = await bounded(asyncio.gather(first, second), "two plain calls past call_timeout_s", 10)
+        assert all(w is not None and w >= 0.6 for w in waits), waits
+        assert await bounded(svc.pid.route(), "a plain call after the timeouts") > 0
+        assert await bounded(svc.work.route(1), "a batched item under call_timeout_s") == 2
+        assert len(svc.service.replicas[0]._waiters) == 0
     finally:
         await svc.shutdown()
 
