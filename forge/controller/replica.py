@@ -293,12 +293,12 @@ class Replica:
             logger.debug("stopping %s: %r", self.mesh_name, exc)
 
     # ----------------------------------------------------------- requests
-    def send(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], batch_key: Hashable = None) -> Call:
+    def send(self, spec: EndpointSpec, args: Sequence[Any], kwargs: dict[str, Any], batch_key: Hashable = None) -> Call:
         """One request to this replica: a batched endpoint's item joins its batch queue
         (``batch_key``) now; a plain endpoint's message leaves when the result is awaited."""
-        if self.spec.endpoints[endpoint].batched:
-            return self.enqueue(endpoint, args[0], batch_key)
-        return PlainCall(self, endpoint, args, kwargs)
+        if spec.batched:
+            return self.enqueue(spec.name, args[0], batch_key)
+        return PlainCall(self, spec.name, args, kwargs)
 
     async def call(self, endpoint: str, args: Sequence[Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
         """One plain-endpoint request: one Monarch message."""

@@ -39,7 +39,7 @@ from typing import Any
 from forge.controller.endpoint import EndpointSpec, endpoint_specs, with_concurrent_batches
 from forge.controller.errors import NoHealthyReplica, Overloaded, ReplicaFailed, ServiceStopped
 from forge.controller.lifecycle import OwnedReplicas, ReplicaSource
-from forge.controller.messages import Call, PlainCall
+from forge.controller.messages import Call
 from forge.controller.metrics import service_metrics
 from forge.controller.multiplex import check_multiplexing
 from forge.controller.options import ActorOptions
@@ -303,11 +303,8 @@ class Service:
 
     def _send(self, request: _Request, candidates: list[Replica]) -> Call:
         """Route the request among ``candidates`` and send it (a batched item joins its queue)."""
-        replica, spec = self.choose(request.route, candidates), request.spec
-        if spec.batched:
-            call: Call = replica.enqueue(spec.name, request.args[0], request.route.batch_key)
-        else:
-            call = PlainCall(replica, spec.name, request.args, request.kwargs)
+        replica = self.choose(request.route, candidates)
+        call = replica.send(request.spec, request.args, request.kwargs, request.route.batch_key)
         if request.trace is not None:
             request.trace.replica_id = replica.replica_id
             request.trace.tries += 1
@@ -418,7 +415,7 @@ class Service:
         replicas = self.healthy_replicas()
         if not replicas:
             raise NoHealthyReplica(f"service {self.name} has no healthy replica for fanout of {endpoint!r}")
-        calls = [r.send(endpoint, request.args, request.kwargs, request.route.batch_key) for r in replicas]
+        calls = [r.send(request.spec, request.args, request.kwargs, request.route.batch_key) for r in replicas]
         results = list(await asyncio.gather(*(c.result(request.timeout) for c in calls)))
         return {r.replica_id: x for r, x in zip(replicas, results)} if by_replica else results
 
